@@ -1,0 +1,39 @@
+# dalle-lightning: the two commands of the quick start, plus helpers.
+# `make demo` trains every stage on the embedded shapes world; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Torch is installed first and pinned, so pip never pulls a newer (multi-GB) build by itself.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+OUT ?= outputs/demo
+
+.PHONY: demo test test-fast install install-test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m dalle_lightning.demo out_dir=$(OUT)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(VENV)/.installed
+	for f in benchmarks/*.py; do $(PY) $$f; done
+
+clean:
+	rm -rf outputs multirun .pytest_cache
