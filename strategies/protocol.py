@@ -1,0 +1,78 @@
+"""How the strategy and the precision plugin find a model's resblocks.
+
+A *resblock* here is a residual branch: a module ``f`` whose output the parent adds to an identity path,
+``x + f(x)``. The sharding strategy makes each one an FSDP unit; the precision plugin gives each one its own
+gradient scale. A stranger's model can take part in three ways, tried in this order:
+
+1. explicit module classes and/or fnmatch name patterns (from config), matched against ``named_modules()``;
+2. a method ``resblocks()`` on the root module (e.g. a LightningModule) or on the first submodule that has
+   one, returning an iterable of ``(qualified_name, module)`` pairs or of modules;
+3. nothing found: an error naming the model class and what was expected.
+
+Names are qualified relative to the root module passed in, so they are stable across runs and usable in logs,
+configs and state dicts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+RESBLOCKS_METHOD = "resblocks"
+
+
+def _qualify(root: nn.Module, modules: Iterable[object]) -> list[tuple[str, nn.Module]]:
+    names = {id(m): n for n, m in root.named_modules()}
+    out: list[tuple[str, nn.Module]] = []
+    for item in modules:
+        if isinstance(item, tuple):
+            _, mod = item
+        else:
+            mod = item
+        if not isinstance(mod, nn.Module) or id(mod) not in names:
+            raise ValueError(f"{RESBLOCKS_METHOD}() returned {type(mod).__name__}, expected submodules of the model")
+        out.append((names[id(mod)], mod))
+    return out
+
+
+def find_resblocks(
+    root: nn.Module,
+    classes: Sequence[type[nn.Module]] | None = None,
+    patterns: Sequence[str] | None = None,
+) -> list[tuple[str, nn.Module]]:
+    """Return ``(qualified_name, module)`` for each resblock of ``root``, in module order.
+
+    Explicit ``classes``/``patterns`` win; otherwise the ``resblocks()`` protocol. Raises ``ValueError``
+    when nothing is found, so a misconfigured run fails before it trains in the wrong precision.
+    """
+    if classes or patterns:
+        cls_tuple = tuple(classes or ())
+        found = [
+            (name, mod)
+            for name, mod in root.named_modules()
+            if name
+            and ((cls_tuple and isinstance(mod, cls_tuple)) or any(fnmatch.fnmatchcase(name, p) for p in patterns or ()))
+        ]
+        # Keep only outermost matches: a block nested inside another matched block is not a unit of its own.
+        outer: list[tuple[str, nn.Module]] = []
+        for name, mod in found:
+            if not any(name.startswith(o + ".") for o, _ in outer):
+                outer.append((name, mod))
+        if not outer:
+            raise ValueError(
+                f"no resblocks in {type(root).__name__} match classes={[c.__name__ for c in cls_tuple]} "
+                f"patterns={list(patterns or [])}; expected at least one submodule"
+            )
+        return outer
+    for _, mod in root.named_modules():
+        method = getattr(mod, RESBLOCKS_METHOD, None)
+        if callable(method):
+            blocks = _qualify(root, method())
+            if blocks:
+                return blocks
+    raise ValueError(
+        f"{type(root).__name__} declares no resblocks: give module classes or name patterns, "
+        f"or define {RESBLOCKS_METHOD}() returning its residual branches"
+    )
