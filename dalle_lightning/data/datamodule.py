@@ -1,0 +1,226 @@
+"""LightningDataModules over WebDataset shards: image-text pairs (dVAE, CLIP) and token pairs (prior).
+
+Both read any WebDataset shards (local paths, brace patterns, lists, remote URLs), split them among ranks
+and loader workers so each consumer sees different samples, shuffle with a buffer, and batch. A sample that
+cannot be used (corrupt image, missing/empty caption, non-UTF-8 text, bad token arrays) is skipped, counted
+by reason and logged; it never stops training. Counts are per process (``skipped``); with loader workers each
+worker logs its own skips.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from dalle_lightning.data.shards import resolve_shards, split_for
+from dalle_lightning.data.transforms import center_square_resize, decode_image, paper_augment, to_tensor
+
+log = logging.getLogger(__name__)
+
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+
+
+class SkipCounter(Counter):
+    """Counts skipped samples by reason and logs each one with its key, so bad shards can be found."""
+
+    def skip(self, reason: str, key: str) -> None:
+        self[reason] += 1
+        log.warning("skipped sample %s: %s (%d skipped for this reason so far)", key, reason, self[reason])
+
+
+class ShardStream(IterableDataset):
+    """One pass over this consumer's shards: tar members grouped into samples, shuffled, decoded.
+
+    ``epoch`` reseeds shard and sample shuffling so each epoch has a new order, identical across reruns.
+    """
+
+    def __init__(self, urls: list[str], decode: Any, rank: int, world_size: int, shuffle: int, seed: int) -> None:
+        super().__init__()
+        self.urls, self.decode, self.rank, self.world_size = urls, decode, rank, world_size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def __iter__(self):
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        urls = list(self.urls)
+        if self.shuffle:
+            rng.shuffle(urls)
+        mine = split_for(urls, self.rank, self.world_size)
+        stream = wds.tarfile_samples([{"url": u} for u in mine], handler=wds.warn_and_continue)
+        if self.shuffle:
+            stream = wds.filters._shuffle(stream, self.shuffle, initial=min(100, self.shuffle), rng=rng)
+        for sample in stream:
+            out = self.decode(sample)
+            if out is not None:
+                yield out
+
+
+class WebDataModule(pl.LightningDataModule):
+    """Shared plumbing: shard resolution, rank split, loaders. Subclasses define ``decode(sample)``."""
+
+    def __init__(
+        self,
+        train_shards: str | Sequence[str] | None = None,
+        val_shards: str | Sequence[str] | None = None,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        shuffle_buffer: int = 1000,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size} must be positive")
+        self.train_shards, self.val_shards = train_shards, val_shards
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.skipped = SkipCounter()
+        self._train: ShardStream | None = None
+
+    def decode(self, sample: dict[str, Any]) -> dict[str, Any] | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def stream(self, shards: str | Sequence[str], shuffle: int) -> ShardStream:
+        rank, world = self._rank()
+        return ShardStream(resolve_shards(shards), self.decode, rank, world, shuffle, self.seed)
+
+    @override
+    def setup(self, stage: str) -> None:
+        # Resolve early so a missing shard fails before any model work.
+        if stage == "fit" and self.train_shards is None:
+            raise ValueError("train_shards is not set; expected a shard path or brace pattern")
+        for spec in (self.train_shards, self.val_shards):
+            if spec is not None:
+                resolve_shards(spec)
+
+    def _loader(self, dataset: ShardStream) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+            pin_memory=False,
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self._train = self.stream(self.train_shards, self.shuffle_buffer)
+        if self.trainer is not None:
+            self._train.epoch = self.trainer.current_epoch
+        return self._loader(self._train)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_shards is None:
+            return []
+        return self._loader(self.stream(self.val_shards, 0))
+
+
+def _text(sample: dict[str, Any], skipped: SkipCounter, key: str) -> str | None:
+    raw = sample.get("txt")
+    if raw is None:
+        skipped.skip("missing caption", key)
+        return None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        skipped.skip("caption is not UTF-8", key)
+        return None
+    if not text:
+        skipped.skip("empty caption", key)
+        return None
+    return text
+
+
+class ImageTextDataModule(WebDataModule):
+    """Image-caption pairs (the shapes world, or img2dataset output with jpg/png + txt).
+
+    Batches: {"image": FloatTensor[B,3,S,S] in [0,1], "text": list[str]}. ``augment`` applies the paper's
+    crop-resize-crop (and ``random_flip``) to training images only; validation uses a centre crop.
+    """
+
+    def __init__(self, image_size: int = 64, augment: bool = False, random_flip: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if image_size <= 0:
+            raise ValueError(f"image_size={image_size} must be positive")
+        self.image_size, self.augment, self.random_flip = image_size, augment, random_flip
+        self._rng = random.Random(self.seed)
+
+    def decode(self, sample: dict[str, Any], train: bool = True) -> dict[str, Any] | None:
+        key = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
+        data = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+        if data is None:
+            self.skipped.skip("missing image", key)
+            return None
+        text = _text(sample, self.skipped, key)
+        if text is None:
+            return None
+        try:
+            img = decode_image(data)
+        except Exception as exc:  # PIL raises many types for corrupt files
+            self.skipped.skip(f"corrupt image ({type(exc).__name__})", key)
+            return None
+        if train and self.augment:
+            img = paper_augment(img, self.image_size, self._rng, flip=self.random_flip)
+        else:
+            img = center_square_resize(img, self.image_size)
+        return {"image": to_tensor(img), "text": text}
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_shards is None:
+            return []
+        rank, world = self._rank()
+        ds = ShardStream(resolve_shards(self.val_shards), lambda s: self.decode(s, train=False), rank, world, 0, self.seed)
+        return self._loader(ds)
+
+
+class TokenDataModule(WebDataModule):
+    """Token shards written by ``dalle-encode`` (``codes.npy`` image codes, ``ids.npy`` caption ids, ``txt``).
+
+    Batches: {"text": LongTensor[B, text_len] (0 = padding), "image": LongTensor[B, grid*grid]}.
+    With a ``tokenizer`` and ``bpe_dropout`` > 0 the caption is re-encoded with BPE dropout (paper: 10%).
+    """
+
+    def __init__(self, text_len: int = 256, image_tokens: int | None = None, tokenizer: Any = None,
+                 bpe_dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.text_len, self.image_tokens = text_len, image_tokens
+        self.tokenizer, self.bpe_dropout = tokenizer, bpe_dropout
+        if bpe_dropout and tokenizer is None:
+            raise ValueError(f"bpe_dropout={bpe_dropout} needs a tokenizer to re-encode captions")
+
+    def decode(self, sample: dict[str, Any]) -> dict[str, Any] | None:
+        key = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
+        try:
+            codes = np.load(io.BytesIO(sample["codes.npy"]))
+            ids = np.load(io.BytesIO(sample["ids.npy"]))
+        except Exception as exc:
+            self.skipped.skip(f"bad token arrays ({type(exc).__name__})", key)
+            return None
+        if self.image_tokens is not None and codes.size != self.image_tokens:
+            self.skipped.skip(f"{codes.size} image tokens, expected {self.image_tokens}", key)
+            return None
+        if self.tokenizer is not None and self.bpe_dropout:
+            text = _text(sample, self.skipped, key)
+            if text is None:
+                return None
+            self.tokenizer.set_dropout(self.bpe_dropout)
+            ids = np.asarray(self.tokenizer.encode(text))
+        text_ids = torch.zeros(self.text_len, dtype=torch.long)
+        ids = torch.from_numpy(ids.astype(np.int64))[: self.text_len]
+        text_ids[: ids.numel()] = ids
+        return {"text": text_ids, "image": torch.from_numpy(codes.astype(np.int64)).reshape(-1)}
