@@ -1,6 +1,6 @@
 """Resolve WebDataset shard specifications and split them among ranks and loader workers.
 
-Shards may be given as a brace pattern (``data/train/{000000..000009}.tar``), a ``::``-separated string,
+Shards may be given as a directory (every ``*.tar`` in it), a brace pattern (``data/train/{000000..000009}.tar``), a ``::``-separated string,
 or a list of either; remote URLs (``s3://``, ``pipe:``...) pass through untouched. Local shards that do not
 exist fail fast with the missing path, before a long run starts reading.
 """
@@ -8,6 +8,7 @@ exist fail fast with the missing path, before a long run starts reading.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Sequence
 
 import torch.utils.data
@@ -25,7 +26,14 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
         raise ValueError("no shards given; expected a path, a brace pattern or a list of them")
     urls: list[str] = []
     for part in parts:
-        urls.extend(expand_urls(str(part)))
+        part = str(part)
+        if not _is_remote(part) and os.path.isdir(part):
+            found = sorted(str(p) for p in Path(part).glob("*.tar"))
+            if not found:
+                raise FileNotFoundError(f"shard directory {part!r} holds no .tar shards")
+            urls.extend(found)
+        else:
+            urls.extend(expand_urls(part))
     for url in urls:
         if not _is_remote(url) and not os.path.isfile(url):
             raise FileNotFoundError(f"shard {url!r} does not exist (from {spec!r})")

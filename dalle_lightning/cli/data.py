@@ -1,0 +1,38 @@
+"""``dalle-data``: write the embedded shapes world as WebDataset shards (img2dataset layout)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from dalle_lightning.cli.common import check_keys, one_line_errors
+
+log = logging.getLogger("dalle_lightning.data")
+
+
+def run(cfg: DictConfig) -> dict[str, str]:
+    from dalle_lightning.world import write_world
+
+    check_keys(cfg, {"paths", "out_dir", "n_train", "n_val", "n_zeroshot", "seed", "shard_size", "image_size", "force"})
+    out = Path(cfg.out_dir)
+    if not cfg.force and all(any((out / s).glob("*.tar")) for s in ("train", "val", "zeroshot")):
+        log.info("shapes world exists in %s; reusing it (force=true rewrites)", out)
+        return {s: str(out / s) for s in ("train", "val", "zeroshot")}
+    splits = write_world(out, n_train=cfg.n_train, n_val=cfg.n_val, n_zeroshot=cfg.n_zeroshot, seed=cfg.seed,
+                         shard_size=cfg.shard_size, image_size=cfg.image_size)
+    for split, pattern in splits.items():
+        log.info("%s: %s", split, pattern)
+    return splits
+
+
+@hydra.main(config_path="../../conf", config_name="world", version_base="1.3")
+@one_line_errors
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""``dalle-train``: train one stage (tokenizer, dvae, clip, prior) from the composed Hydra config.
+
+Each stage writes one artifact (``output``) that later stages read; an existing artifact is reused unless
+``stage.force=true``. Returns the final metrics, which multirun sweeps summarise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dalle_lightning.artifacts import save_model, write_json
+from dalle_lightning.cli.common import check_keys, instantiate_dict, one_line_errors, strategy_and_precision
+
+log = logging.getLogger("dalle_lightning.train")
+
+TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
+                  "seed", "output", "module", "sweep"}
+STAGES = ("tokenizer", "dvae", "clip", "prior")
+
+
+def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
+    """Train the BPE on the training captions (the txt members of the image shards)."""
+    from dalle_lightning.data.datamodule import ImageTextDataModule
+    from dalle_lightning.data.shards import resolve_shards
+    from dalle_lightning.tokenizer import CaptionTokenizer
+    import webdataset as wds
+
+    urls = resolve_shards(cfg.data.train_shards)
+    limit = cfg.stage.max_captions
+
+    def captions():
+        n = 0
+        for sample in wds.tarfile_samples([{"url": u} for u in urls], handler=wds.warn_and_continue):
+            try:
+                text = sample.get("txt", b"").decode("utf-8").strip()
+            except UnicodeDecodeError:
+                continue
+            if text:
+                yield text
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+
+    del ImageTextDataModule  # only the shards are needed, not the image decoding
+    tok = CaptionTokenizer.train(captions(), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
+                                 min_frequency=cfg.model.min_frequency)
+    tok.save(cfg.output)
+    log.info("tokenizer with %d tokens written to %s", tok.vocab_size, cfg.output)
+    return {"vocab_size": tok.vocab_size}
+
+
+def model_meta(stage: str, model: torch.nn.Module) -> dict[str, Any]:
+    """Facts later stages read from the artifact through ``${meta:...}``."""
+    meta: dict[str, Any] = {"stage": stage, "parameters": sum(p.numel() for p in model.parameters())}
+    for key in ("vocab_size", "grid_size", "image_size", "text_len", "image_grid"):
+        value = getattr(model, key, None)
+        if isinstance(value, int):
+            meta[key] = value
+    return meta
+
+
+def fit(cfg: DictConfig) -> dict[str, Any]:
+    """Build data, model, LightningModule, callbacks and Trainer from config; fit; save the artifact."""
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    module = instantiate(cfg.module, model=model)
+    callbacks = instantiate_dict(cfg.callbacks)
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
+    trainer.fit(module, datamodule=datamodule)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    if trainer.is_global_zero and not cfg.trainer.fast_dev_run:
+        save_model(cfg.output, cfg.model, model, meta=model_meta(cfg.stage.name, model))
+        log.info("%s written to %s", cfg.stage.name, cfg.output)
+    return metrics
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run the configured stage; reuse its artifact when it exists (unless forced). Returns metrics."""
+    check_keys(cfg, TOP_LEVEL_KEYS)
+    stage = cfg.stage.name
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
+    out = Path(cfg.output)
+    if out.exists() and not cfg.stage.force and not cfg.get("trainer", {}).get("fast_dev_run", False):
+        log.info("%s exists; reusing it (stage.force=true retrains)", out)
+        return {"reused": 1.0}
+    start = time.perf_counter()
+    metrics = train_tokenizer(cfg) if stage == "tokenizer" else fit(cfg)
+    metrics["wall_time_s"] = time.perf_counter() - start
+    return metrics
+
+
+@hydra.main(config_path="../../conf", config_name="train", version_base="1.3")
+@one_line_errors
+def main(cfg: DictConfig) -> float | None:
+    metrics = run(cfg)
+    run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    write_json({"overrides": OmegaConf.to_container(cfg.get("sweep") or {}), "metrics": metrics}, run_dir / "metrics.json")
+    objective = cfg.get("sweep", {}).get("objective") if cfg.get("sweep") else None
+    return metrics.get(objective) if objective else None
+
+
+if __name__ == "__main__":
+    main()

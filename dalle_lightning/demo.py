@@ -1,0 +1,74 @@
+"""``make demo``: the whole pipeline on the embedded shapes world, each step a real command-line call.
+
+Steps: shapes world -> tokenizer -> dVAE -> token shards -> CLIP -> prior -> generated grid + caption
+accuracy. Each step reuses what an earlier run already wrote (pass ``force=true`` to retrain everything).
+Prints each step's wall time and where its outputs are, and writes them to ``<out_dir>/demo.json``.
+
+Usage: ``python -m dalle_lightning.demo [out_dir=outputs/demo] [force=true] [steps=data,tokenizer,dvae]``
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS: dict[str, list[str]] = {
+    "data": ["dalle_lightning.cli.data"],
+    "tokenizer": ["dalle_lightning.cli.train", "stage=tokenizer"],
+    "dvae": ["dalle_lightning.cli.train", "stage=dvae"],
+    "encode": ["dalle_lightning.cli.encode"],
+    "clip": ["dalle_lightning.cli.train", "stage=clip"],
+    "prior": ["dalle_lightning.cli.train", "stage=prior"],
+    "generate": ["dalle_lightning.cli.generate", "prompts=demo"],
+    "eval": ["dalle_lightning.cli.evaluate"],
+}
+FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}
+
+
+def parse(argv: list[str]) -> dict[str, str]:
+    args = {"out_dir": "outputs/demo", "force": "false", "steps": ",".join(STEPS)}
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep or key not in args:
+            raise SystemExit(f"error: unknown demo argument {item!r}; expected out_dir=..., force=true|false, steps=a,b")
+        args[key] = value
+    unknown = [s for s in args["steps"].split(",") if s not in STEPS]
+    if unknown:
+        raise SystemExit(f"error: unknown demo step(s) {unknown}; expected some of {list(STEPS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    work = Path(args["out_dir"]).resolve()
+    force = args["force"].lower() == "true"
+    timings: dict[str, float] = {}
+    for step in args["steps"].split(","):
+        module, *overrides = STEPS[step]
+        overrides.append(f"paths.work_dir={work}")
+        force_key = FORCE_KEY.get(step, "stage.force")
+        if force and force_key:
+            overrides.append(f"{force_key}=true")
+        print(f"== {step}: python -m {module} {' '.join(overrides)}", flush=True)
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", module, *overrides])
+        timings[step] = round(time.perf_counter() - start, 1)
+        if result.returncode != 0:
+            raise SystemExit(f"error: demo step {step!r} failed with exit code {result.returncode}")
+        print(f"== {step}: {timings[step]} s", flush=True)
+    summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1)}
+    for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "samples", "eval.json"):
+        if (work / name).exists():
+            summary.setdefault("outputs", {})[name] = str(work / name)
+    grids = sorted(work.glob("runs/dvae/*/recon_*.png")) + sorted(work.glob("runs/dvae/*/**/recon_*.png"))
+    if grids:
+        summary.setdefault("outputs", {})["reconstruction_grid"] = str(grids[-1])
+    (work / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
