@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 import logging
 import sys
 from collections.abc import Callable, Iterable
@@ -67,3 +68,7 @@ def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
 
 def to_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+# The Hydra config tree at the repository root (the package is installed in editable mode by `make`).
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")

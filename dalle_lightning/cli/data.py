@@ -8,7 +8,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from dalle_lightning.cli.common import check_keys, one_line_errors
+from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
 
 log = logging.getLogger("dalle_lightning.data")
 
@@ -28,7 +28,7 @@ def run(cfg: DictConfig) -> dict[str, str]:
     return splits
 
 
-@hydra.main(config_path="../../conf", config_name="world", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="world", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -19,7 +19,7 @@ import webdataset as wds
 from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import load_model
-from dalle_lightning.cli.common import check_keys, one_line_errors
+from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.shards import resolve_shards
 from dalle_lightning.tokenizer import CaptionTokenizer
@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
     return counts
 
 
-@hydra.main(config_path="../../conf", config_name="encode", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="encode", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     run(cfg)

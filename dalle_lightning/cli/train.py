@@ -15,15 +15,16 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import save_model, write_json
-from dalle_lightning.cli.common import check_keys, instantiate_dict, one_line_errors, strategy_and_precision
+from dalle_lightning.cli.common import CONF_DIR, check_keys, instantiate_dict, one_line_errors, strategy_and_precision
 
 log = logging.getLogger("dalle_lightning.train")
 
 TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
-                  "seed", "output", "module", "sweep"}
+                  "seed", "output", "module", "objective"}
 STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
@@ -101,14 +102,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-@hydra.main(config_path="../../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
-    run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    write_json({"overrides": OmegaConf.to_container(cfg.get("sweep") or {}), "metrics": metrics}, run_dir / "metrics.json")
-    objective = cfg.get("sweep", {}).get("objective") if cfg.get("sweep") else None
-    return metrics.get(objective) if objective else None
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    write_json({"overrides": list(hydra_cfg.overrides.task), "metrics": metrics}, run_dir / "metrics.json")
+    if cfg.objective is None:
+        return None
+    if cfg.objective not in metrics:
+        raise KeyError(f"objective={cfg.objective!r} was not logged; logged metrics: {sorted(metrics)}")
+    return metrics[cfg.objective]
 
 
 if __name__ == "__main__":
