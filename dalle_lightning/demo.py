@@ -22,7 +22,7 @@ STEPS: dict[str, list[str]] = {
     "encode": ["dalle_lightning.cli.encode"],
     "clip": ["dalle_lightning.cli.train", "stage=clip"],
     "prior": ["dalle_lightning.cli.train", "stage=prior"],
-    "generate": ["dalle_lightning.cli.generate", "prompts=demo"],
+    "generate": ["dalle_lightning.cli.generate"],
     "eval": ["dalle_lightning.cli.evaluate"],
 }
 FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}

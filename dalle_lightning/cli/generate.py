@@ -1,0 +1,58 @@
+"""``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
+
+log = logging.getLogger("dalle_lightning.generate")
+
+KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
+        "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device"}
+
+
+def read_prompts(cfg: DictConfig) -> list[str]:
+    if cfg.prompts_file:
+        path = Path(cfg.prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts_file {str(path)!r} does not exist; expected a text file, one prompt per line")
+        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    prompts = cfg.prompts
+    return [prompts] if isinstance(prompts, str) else list(prompts)
+
+
+def run(cfg: DictConfig) -> Path:
+    from dalle_lightning.generate import Generator, check_prompts
+    from dalle_lightning.grid import captioned_grid, save_image
+
+    check_keys(cfg, KEYS)
+    prompts = check_prompts(read_prompts(cfg))  # fail on an empty prompt before loading any model
+    gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
+    result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
+                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,
+                          seed=cfg.seed, progress=True)
+    out = Path(cfg.out_dir)
+    for i, image in enumerate(result.images):
+        save_image(image, out / f"{i}.png")
+        if cfg.save_candidates:
+            for j, cand in enumerate(result.candidates[i]):
+                save_image(cand, out / "candidates" / f"{i}_{j}.png")
+    grid = captioned_grid(result.images, result.prompts, out / "grid.png")
+    print(f"grid: {grid}")
+    log.info("wrote %d images and %s", len(prompts), grid)
+    return grid
+
+
+@hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
+@one_line_errors
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
