@@ -39,7 +39,10 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
         except (FileNotFoundError, ValueError, KeyError, InstantiationException) as exc:
             if os.environ.get("DALLE_DEBUG"):
                 raise
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
+                exc = exc.__cause__  # Hydra wraps the constructor's own error; show that one
+            text = str(exc).strip().strip("'\"")
+            msg = text.splitlines()[0] if text else type(exc).__name__
             print(f"error: {msg}", file=sys.stderr)
             sys.exit(2)
 

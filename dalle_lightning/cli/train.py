@@ -71,8 +71,9 @@ def model_meta(stage: str, model: torch.nn.Module) -> dict[str, Any]:
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
     """Build data, model, LightningModule, callbacks and Trainer from config; fit; save the artifact."""
-    pl.seed_everything(cfg.seed, workers=True)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")  # a missing shard fails here, before a Trainer is built
     model = instantiate(cfg.model)
     module = instantiate(cfg.module, model=model)
     callbacks = instantiate_dict(cfg.callbacks)

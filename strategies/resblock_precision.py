@@ -1,0 +1,247 @@
+"""Lightning Precision plugin: per-resblock dynamic gradient scales with non-finite filtering (DALL-E paper).
+
+Why not one global loss scale: activation gradients shrink from later to earlier resblocks, so one scale that
+keeps the largest block from overflowing fp16 lets the smallest ones underflow to zero. Here every resblock
+(residual branch) computes in 16-bit with its own scale, applied at the branch's boundaries
+(``strategies/grad_filter.py``), while the identity path, embeddings, gains outside the branches and the output
+layer stay fp32. The scales follow the paper's rules (``strategies/scale_rules.py``).
+
+Lifecycle inside a Lightning step:
+
+1. ``convert_module`` (called by every Lightning strategy in ``setup``, before DDP wrapping / device moves, and
+   after ``configure_model`` has applied FSDP2 ``fully_shard``) finds the resblocks and installs the hooks.
+2. The closure runs forward and backward; gradients inside each branch carry its scale; the filter flags blocks.
+3. ``optimizer_step`` divides each block's parameter gradients by its scale (all micro-batches of a gradient
+   accumulation share one scale, so dividing the sum once is exact), flags non-finite ones, agrees on the flags
+   across ranks with ONE all-reduce (MAX), then either steps and grows every scale, or skips the update
+   (parameters and optimizer state untouched, gradients zeroed) and backs off only the flagged blocks.
+
+Gradients may be DTensors (FSDP2 / sharded strategies): only their local shards are touched, no full shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Callable, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from strategies.grad_filter import BranchBoundaries
+from strategies.protocol import find_resblocks
+from strategies.scale_rules import BlockScales, ScaleRules
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def _resolve_class(spec: type[nn.Module] | str) -> type[nn.Module]:
+    """Accept classes or dotted paths, so Hydra configs can name block classes as strings."""
+    if isinstance(spec, type):
+        return spec
+    module_name, _, attr = str(spec).rpartition(".")
+    if not module_name:
+        raise ValueError(f"block_classes entry {spec!r}, expected a class or a dotted path 'package.module.Class'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor gradient (in place edits reach the DTensor), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class ResblockScalingPrecision(Precision):
+    """Per-resblock gradient scales ``M * 2**x`` with 16-bit residual branches and an fp32 identity path.
+
+    Args:
+        dtype: "fp16" or "bf16", the compute dtype inside residual branches.
+        block_classes / block_patterns: which modules are resblocks (classes or dotted paths; fnmatch patterns on
+            qualified names). Default: the model's ``resblocks()`` (see ``strategies/protocol.py``).
+        replicas: ``M``; default the strategy's data-parallel size (world size), 1 without a trainer.
+        init_scale_log2, growth_factor, backoff_factor, cooldown, min_scale_log2, max_scale_log2: the paper's
+            scale rules (see ``ScaleRules``).
+        log_every_n_steps: how often per-block log2 scales go to the trainer's loggers; default the trainer's.
+    """
+
+    def __init__(
+        self,
+        dtype: Literal["fp16", "bf16"] = "fp16",
+        block_classes: Sequence[type[nn.Module] | str] | None = None,
+        block_patterns: Sequence[str] | None = None,
+        replicas: int | None = None,
+        init_scale_log2: float = 13.0,
+        growth_factor: float = 2 ** (1 / 1000),
+        backoff_factor: float = 2**-0.5,
+        cooldown: int = 125,
+        min_scale_log2: float = 7.0,
+        max_scale_log2: float = 24.0,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}, expected one of {sorted(_DTYPES)}")
+        if replicas is not None and (int(replicas) != replicas or replicas < 1):
+            raise ValueError(f"replicas={replicas}, expected a positive integer or None (= data-parallel size)")
+        self.precision = _LIGHTNING_NAMES[dtype]  # type: ignore[assignment]
+        self.dtype = _DTYPES[dtype]
+        self.block_classes = [_resolve_class(c) for c in block_classes or ()]
+        self.block_patterns = list(block_patterns or ())
+        self.replicas = replicas
+        self.rules = ScaleRules(
+            init_log2=init_scale_log2,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            cooldown=cooldown,
+            min_log2=min_scale_log2,
+            max_log2=max_scale_log2,
+        )
+        self.log_every_n_steps = log_every_n_steps
+        self.scales: BlockScales | None = None
+        self._boundaries: BranchBoundaries | None = None
+        self._root: nn.Module | None = None
+        self._blocks: list[nn.Module] = []
+        self._pending_state: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------------------------------------- setup
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Find the resblocks and install the branch boundaries; parameters stay fp32 and untouched."""
+        blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
+        names = [name for name, _ in blocks]
+        replicas = self.replicas or self._infer_replicas(module)
+        if self.scales is None or self.scales.names != names:
+            self.scales = BlockScales(names, self.rules, replicas)
+        self.scales.replicas = replicas
+        if self._pending_state is not None:
+            self.scales.load_state_dict(self._pending_state)
+            self._pending_state = None
+        if self._boundaries is not None:
+            self._boundaries.remove()
+        self._boundaries = BranchBoundaries(self.dtype, len(blocks))
+        self._boundaries.install([mod for _, mod in blocks])
+        self._sync_device_scales()
+        # Keep modules, not parameters: FSDP2's fully_shard (possibly applied after this call) swaps in new
+        # DTensor parameters, so the parameter lists are read at every step.
+        self._root, self._blocks = module, [mod for _, mod in blocks]
+        return module
+
+    @staticmethod
+    def _infer_replicas(module: nn.Module) -> int:
+        trainer = getattr(module, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None)
+        for attr in ("data_parallel_size", "_data_parallel_size"):
+            value = getattr(strategy, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        if strategy is not None:
+            return int(strategy.world_size)
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @override
+    def teardown(self) -> None:
+        """Leave the model as found: remove the hooks (a later ``setup`` reinstalls them, keeping the scales)."""
+        if self._boundaries is not None:
+            self._boundaries.remove()
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------------ step
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule | nn.Module,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if self.scales is None or self._boundaries is None:
+            raise RuntimeError("ResblockScalingPrecision.optimizer_step before convert_module(model): no resblocks")
+        if isinstance(optimizer, LBFGS):
+            raise TypeError("optimizer=LBFGS, expected an optimizer that steps once per closure call")
+        closure_result = closure()
+        lightning = model if isinstance(model, pl.LightningModule) and model._trainer is not None else None
+        if closure_result is None and lightning is not None and lightning.automatic_optimization:
+            return None  # training_step returned None: no backward ran, nothing to step (as Lightning's AMP)
+
+        flags = self._unscale_and_check(optimizer)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the one collective: every rank skips together
+        flags = flags.cpu()  # the one host sync of the step
+        if lightning is not None:
+            self._after_closure(lightning, optimizer)  # on_before_optimizer_step hooks and clipping see true grads
+        step = self.scales.update(flags[:-1] > 0, other_nonfinite=bool(flags[-1] > 0))
+        output = optimizer.step(**kwargs) if step else optimizer.zero_grad()
+        self._boundaries.flags.zero_()
+        self._sync_device_scales()
+        if lightning is not None:
+            self._log(lightning)
+        return output if step else closure_result
+
+    @torch.no_grad()
+    def _unscale_and_check(self, optimizer: Optimizer) -> Tensor:
+        """Divide each block's gradients by its scale in place; return the per-block (+ other) non-finite flags."""
+        assert self._boundaries is not None and self._root is not None
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        flags = self._boundaries.flags
+        inv_scales = self._boundaries.scales.reciprocal()
+        one = torch.ones(1, dtype=torch.float32, device=flags.device)
+        groups = [list(block.parameters()) for block in self._blocks]
+        in_blocks = {id(p) for params in groups for p in params}
+        groups.append([p for p in self._root.parameters() if id(p) not in in_blocks])
+        for index, params in enumerate(groups):
+            inv = inv_scales[index : index + 1] if index < len(self._blocks) else one
+            by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+            for p in params:
+                if p.grad is not None and id(p) in in_optimizer:
+                    g = _local(p.grad)
+                    by_kind[(g.device, g.dtype)].append(g)
+            for (device, _), grads in by_kind.items():
+                found = torch.zeros(1, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
+                flags[index : index + 1].copy_(torch.maximum(flags[index : index + 1], found.to(flags.device)))
+        return flags.clone()
+
+    def _sync_device_scales(self) -> None:
+        assert self.scales is not None and self._boundaries is not None
+        self._boundaries.scales.copy_(self.scales.scales().to(torch.float32))
+
+    def _log(self, model: pl.LightningModule) -> None:
+        """Per-block log2 scales and the skipped-update count, straight to the loggers every n steps (cheap)."""
+        assert self.scales is not None
+        trainer = model.trainer
+        every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
+        if not trainer.loggers or trainer.global_step % every:
+            return
+        offset = math.log2(self.scales.replicas)
+        log2 = self.scales.log2.tolist()
+        metrics = {f"precision/log2_scale/{n}": x + offset for n, x in zip(self.scales.names, log2)}
+        metrics["precision/skipped_updates"] = float(self.scales.skipped)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ----------------------------------------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.scales is None:
+            return dict(self._pending_state or {})
+        return self.scales.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore scales and counters; before ``convert_module`` the state waits until the blocks are known."""
+        if not state_dict:
+            return
+        if self.scales is None:
+            self._pending_state = dict(state_dict)
+        else:
+            self.scales.load_state_dict(state_dict)
+            if self._boundaries is not None:
+                self._sync_device_scales()

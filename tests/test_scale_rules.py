@@ -1,0 +1,110 @@
+"""The per-resblock scale rules over a scripted sequence of finite and non-finite update attempts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from strategies.scale_rules import BlockScales, ScaleRules
+
+
+def _flags(*bad: int, n: int = 3) -> torch.Tensor:
+    out = torch.zeros(n, dtype=torch.bool)
+    out[list(bad)] = True
+    return out
+
+
+def test_paper_defaults() -> None:
+    rules = ScaleRules()
+    assert rules.init_log2 == 13 and rules.cooldown == 125
+    assert rules.growth_factor == pytest.approx(2 ** (1 / 1000)) and rules.backoff_factor == pytest.approx(0.5**0.5)
+    assert (rules.min_log2, rules.max_log2) == (7, 24)
+    scales = BlockScales(["a", "b"], rules, replicas=8)
+    assert scales.scales().tolist() == [8 * 2.0**13, 8 * 2.0**13]  # M * 2^13
+
+
+def test_growth_backoff_cooldown_clamp_scripted() -> None:
+    # Quarter-binade growth, half-binade backoff, cooldown of 3 attempts, clamp [0, 2]: small numbers, same rules.
+    rules = ScaleRules(
+        init_log2=1.0, growth_factor=2**0.25, backoff_factor=2**-0.5, cooldown=3, min_log2=0.0, max_log2=2.0
+    )
+    s = BlockScales(["b0", "b1", "b2"], rules)
+    # (flags of attempt t, expected step?, expected exponents after attempt t) -- worked out by hand from the rules.
+    script = [
+        (_flags(), True, [1.25, 1.25, 1.25]),  # t0 finite: all grow
+        (_flags(1), False, [1.25, 0.75, 1.25]),  # t1 b1 overflows: skip, only b1 backs off
+        (_flags(1), False, [1.25, 0.75, 1.25]),  # t2 b1 again, within cooldown (2-1 < 3): no second backoff
+        (_flags(0, 1), False, [0.75, 0.75, 1.25]),  # t3 b0 first backoff; b1 still cooling (3-1 < 3)
+        (_flags(1), False, [0.75, 0.25, 1.25]),  # t4 cooldown elapsed for b1 (4-1 >= 3): backs off
+        (_flags(1), False, [0.75, 0.25, 1.25]),  # t5 cooling
+        (_flags(), True, [1.0, 0.5, 1.5]),  # t6 finite
+        (_flags(), True, [1.25, 0.75, 1.75]),  # t7
+        (_flags(), True, [1.5, 1.0, 2.0]),  # t8 b2 reaches the max
+        (_flags(), True, [1.75, 1.25, 2.0]),  # t9 clamped at max_log2
+        (_flags(1), False, [1.75, 0.75, 2.0]),  # t10 b1 (last backoff t4, 6 >= 3)
+        (_flags(1), False, [1.75, 0.75, 2.0]),  # t11
+        (_flags(1), False, [1.75, 0.75, 2.0]),  # t12
+        (_flags(1), False, [1.75, 0.25, 2.0]),  # t13 (13-10 >= 3)
+        (_flags(1), False, [1.75, 0.25, 2.0]),  # t14
+        (_flags(1), False, [1.75, 0.25, 2.0]),  # t15
+        (_flags(1), False, [1.75, 0.0, 2.0]),  # t16 backoff to -0.25, clamped at min_log2 = 0
+    ]
+    for t, (flags, step, expected) in enumerate(script):
+        assert s.update(flags) is step, f"attempt {t}"
+        assert s.log2.tolist() == pytest.approx(expected), f"attempt {t}"
+    assert s.updates == len(script)
+    assert s.skipped == sum(not step for _, step, _ in script)
+    assert s.nonfinite_counts.tolist() == [1, 12, 0]
+    assert s.scales().tolist() == pytest.approx([2**1.75, 1.0, 4.0])
+
+
+def test_non_block_nonfinite_skips_without_backoff() -> None:
+    s = BlockScales(["a", "b"], ScaleRules(cooldown=0))
+    assert s.update(_flags(n=2), other_nonfinite=True) is False
+    assert s.log2.tolist() == [13.0, 13.0] and s.skipped == 1
+
+
+def test_paper_growth_doubles_in_a_thousand_updates() -> None:
+    s = BlockScales(["a"])
+    for _ in range(1000):
+        s.update(_flags(n=1))
+    assert s.log2.item() == pytest.approx(14.0, abs=1e-9)  # float64 exponents: no drift
+
+
+def test_state_dict_round_trip_continues_cooldown() -> None:
+    rules = ScaleRules(cooldown=2)
+    a = BlockScales(["x", "y"], rules)
+    a.update(_flags(0, n=2))
+    b = BlockScales(["x", "y"], rules)
+    b.load_state_dict(a.state_dict())
+    assert b.update(_flags(0, n=2)) is False
+    assert b.log2[0].item() == pytest.approx(13 - 0.5)  # second overflow 1 attempt later: still cooling down
+    a.update(_flags(0, n=2))
+    assert b.state_dict() == a.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"growth_factor": 0.9}, "growth_factor"),
+        ({"backoff_factor": 1.5}, "backoff_factor"),
+        ({"cooldown": -1}, "cooldown"),
+        ({"init_log2": 30.0}, "init_log2"),
+    ],
+)
+def test_bad_rules_raise(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ScaleRules(**kwargs)
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        BlockScales(["a"], replicas=0)
+    s = BlockScales(["a", "b"])
+    with pytest.raises(ValueError, match="one per block"):
+        s.update(torch.zeros(3))
+    with pytest.raises(ValueError, match="resblocks"):
+        s.load_state_dict(BlockScales(["a", "c"]).state_dict())
+    assert math.isfinite(s.scales().sum().item())
