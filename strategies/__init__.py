@@ -3,3 +3,18 @@
 Never imports ``dalle_lightning``: models talk to these plugins through the ``resblocks()`` protocol
 (see ``strategies/protocol.py``) or through module classes / name patterns given in config.
 """
+
+from strategies.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
+from strategies.mesh import build_mesh, mesh_shape
+from strategies.prefetch import apply_prefetch, prefetch_plan
+from strategies.sharded_powersgd import ShardedPowerSGDStrategy
+
+__all__ = [
+    "ShardedPowerSGDStrategy",
+    "apply_prefetch",
+    "build_mesh",
+    "checkpoint_to_full_state_dict",
+    "export_full_state_dict",
+    "mesh_shape",
+    "prefetch_plan",
+]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import run_distributed
+from tests.dist_utils import run_distributed
 from strategies.comm_dtype import resolve_comm_dtype, to_comm
 from strategies.householder import orthogonalize
 from strategies.powersgd import PowerSGD, plan_rank

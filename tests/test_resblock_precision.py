@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from tests.dist_utils import run_distributed
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset

@@ -1,0 +1,428 @@
+"""A Lightning Strategy that shards parameters within a node (FSDP2) and averages between nodes with PowerSGD.
+
+This is the paper's recipe for training a model that does not fit one GPU on machines joined by slow links:
+
+* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`strategies.mesh`);
+* every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
+  remaining parameters form the root unit; the next blocks are prefetched explicitly
+  (:mod:`strategies.prefetch`);
+* FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
+  gradient with its replicas on the other nodes through :class:`strategies.powersgd.PowerSGD` (not FSDP's HSDP
+  all-reduce, which cannot be compressed). If PowerSGD reports a non-finite gradient anywhere, every rank skips
+  the optimizer step;
+* checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state
+  (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
+
+Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
+(after ``import strategies``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
+on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from strategies.dcp_checkpoint import export_full_state_dict, load_sharded, pack, rank_key, save_sharded, unpack
+from strategies.mesh import build_mesh
+from strategies.powersgd import PowerSGD
+from strategies.prefetch import apply_prefetch
+from strategies.protocol import find_resblocks
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+STRATEGY_NAME = "sharded_powersgd"
+POWERSGD_KEY = "powersgd"
+
+
+class ShardedRoot(nn.Module):
+    """The FSDP root around the LightningModule.
+
+    Lightning calls ``training_step``, not ``forward``; FSDP's root hooks (lazy init, unsharding the root's own
+    parameters, the end-of-backward callback) live on ``forward``. Lightning's forward redirection routes
+    ``training_step`` through this module's ``forward``, so the hooks run, while the LightningModule itself
+    stays a plain module (its own ``self(x)`` calls are not re-entrant FSDP calls).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _resolve_class(spec: type[nn.Module] | str) -> type[nn.Module]:
+    """Accept classes or dotted paths (``"torchvision.models.resnet.BasicBlock"``) so Hydra configs can name them."""
+    if isinstance(spec, type):
+        return spec
+    module_name, _, attr = str(spec).rpartition(".")
+    if not module_name:
+        raise ValueError(f"block class {spec!r} is not a dotted path like 'package.module.Class'")
+    cls = getattr(importlib.import_module(module_name), attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"block class {spec!r} does not name an nn.Module subclass")
+    return cls
+
+
+def _resolve_dtype(spec: torch.dtype | str | None) -> torch.dtype | None:
+    if spec is None or isinstance(spec, torch.dtype):
+        return spec
+    dtype = getattr(torch, str(spec).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {spec!r} is not a torch dtype name such as 'bfloat16'")
+    return dtype
+
+
+def embedding_param_names(module: nn.Module) -> set[str]:
+    """Names of the parameters owned by ``nn.Embedding`` modules: the paper all-reduces those uncompressed."""
+    return {
+        f"{mod_name}.{p_name}" if mod_name else p_name
+        for mod_name, mod in module.named_modules()
+        if isinstance(mod, nn.Embedding)
+        for p_name, _ in mod.named_parameters(recurse=False)
+    }
+
+
+def shard_module(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    prefetch_depth: int = 1,
+    activation_checkpointing: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> ShardedRoot:
+    """Make each block an FSDP2 unit on the 1-D ``mesh`` (bottom-up), then wrap ``module`` in the root unit."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    for block in blocks:
+        if activation_checkpointing:
+            checkpoint_activations(block)  # hook-based: keeps parameter names unchanged
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    root = ShardedRoot(module)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    apply_prefetch(list(blocks), prefetch_depth)  # type: ignore[arg-type]
+    return root
+
+
+class ShardedPowerSGDStrategy(ModelParallelStrategy):
+    """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
+
+    Args:
+        devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
+            must be a multiple of it; nodes = world size // devices_per_node.
+        block_classes: module classes (or dotted paths) that become FSDP units; with ``block_patterns`` they
+            override the model's ``resblocks()`` declaration.
+        block_patterns: fnmatch patterns on qualified module names that become FSDP units.
+        reshard_after_forward: free gathered block parameters after forward (re-gather in backward).
+        prefetch_depth: number of blocks gathered ahead in forward and behind in backward (0: FSDP default).
+        activation_checkpointing: recompute each block's activations in backward.
+        param_dtype / reduce_dtype: FSDP ``MixedPrecisionPolicy`` (``None`` keeps the parameters' dtype).
+        powersgd_rank, start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
+            :class:`~strategies.powersgd.PowerSGD`.
+        uncompressed_patterns: fnmatch patterns of parameter names all-reduced uncompressed (in addition to
+            embeddings and 1-D parameters), e.g. the unembedding.
+        process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
+        timeout: collective timeout of every process group, so a dead peer ends the run instead of hanging it.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        devices_per_node: int | None = None,
+        *,
+        block_classes: Sequence[type[nn.Module] | str] | None = None,
+        block_patterns: Sequence[str] | None = None,
+        reshard_after_forward: bool = True,
+        prefetch_depth: int = 1,
+        activation_checkpointing: bool = False,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        powersgd_rank: int = 4,
+        start_step: int = 0,
+        warm_start: bool = False,
+        error_feedback: bool = True,
+        comm_dtype: torch.dtype | str = torch.float32,
+        min_compression: float = 2.0,
+        seed: int = 0,
+        eps: float = 1e-6,
+        uncompressed_patterns: Sequence[str] = (),
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = timedelta(minutes=30),
+    ) -> None:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
+            raise ValueError(f"devices_per_node={devices_per_node!r}, expected a positive integer or None")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
+        self.devices_per_node = devices_per_node
+        self.block_classes = [_resolve_class(c) for c in block_classes or ()]
+        self.block_patterns = list(block_patterns or ())
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch_depth = prefetch_depth
+        self.activation_checkpointing = activation_checkpointing
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=_resolve_dtype(param_dtype), reduce_dtype=_resolve_dtype(reduce_dtype))
+        self.uncompressed_patterns = list(uncompressed_patterns)
+        self._powersgd_kwargs: dict[str, Any] = dict(
+            rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
+            comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps,
+        )
+        self.powersgd: PowerSGD | None = None
+        self.block_names: list[str] = []
+        self._uncompressed: set[str] = set()
+        self._sync_between_nodes = True
+
+    # ------------------------------------------------------------------ environment and mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Both mesh axes are data parallel: every rank reads its own part of the data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        backend = self._get_process_group_backend()
+        per_node = self.devices_per_node or self.num_processes
+        self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), **self._powersgd_kwargs)
+
+    @property
+    def num_nodes_in_mesh(self) -> int:
+        return self.device_mesh.size(0)
+
+    # ------------------------------------------------------------------ model setup
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.lightning_module is not None
+        module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
+        blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
+        self.block_names = [name for name, _ in blocks]
+        self._uncompressed = embedding_param_names(module) | {
+            n for n, _ in module.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.uncompressed_patterns)
+        }
+        root = shard_module(
+            module,
+            [b for _, b in blocks],
+            self.device_mesh["shard"],
+            reshard_after_forward=self.reshard_after_forward,
+            prefetch_depth=self.prefetch_depth,
+            activation_checkpointing=self.activation_checkpointing,
+            mp_policy=self.mp_policy,
+        )
+        _materialize_distributed_module(root, self.root_device)
+        self._broadcast_replicas(module)
+        self.model = root
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @torch.no_grad()
+    def _broadcast_replicas(self, module: nn.Module) -> None:
+        """Make every node start from node 0's shards, and every rank from rank 0's buffers.
+
+        Each process initialises its own copy; without this, replicas of one shard would start (and stay)
+        different whenever the seeds differ.
+        """
+        replicate = self.device_mesh["replicate"]
+        if replicate.size() > 1:
+            locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+            _broadcast_flat(locals_, replicate.get_group())
+        buffers = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
+        if buffers and self.world_size > 1:
+            _broadcast_flat(buffers, None)
+
+    # ------------------------------------------------------------------ the step
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on non-final micro-batches: no reduce-scatter and no PowerSGD there."""
+        root = self.model
+        if not isinstance(root, FSDPModule):
+            yield None
+            return
+        root.set_requires_gradient_sync(False)
+        self._sync_between_nodes = False
+        try:
+            yield None
+        finally:
+            root.set_requires_gradient_sync(True)
+            self._sync_between_nodes = True
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # Run forward/backward first, so the inter-node average (and the skip decision) sits between the
+        # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
+        result = closure()
+        if not self.reduce_gradients():
+            optimizer.zero_grad(set_to_none=True)
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def reduce_gradients(self) -> bool:
+        """Average every local gradient shard over the replicate axis with PowerSGD; False means skip the step.
+
+        Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
+        """
+        assert self.powersgd is not None and self.lightning_module is not None
+        named = []
+        for name, p in self.lightning_module.named_parameters():
+            if p.grad is None:
+                continue
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if local.numel():
+                named.append((name, local))
+        ok = self.powersgd.reduce(named, uncompressed=self._uncompressed)
+        self._log_stats()
+        return ok
+
+    def _log_stats(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers or self.powersgd is None:
+            return
+        step = trainer.global_step
+        if step % max(int(getattr(trainer, "log_every_n_steps", 1)), 1):
+            return
+        stats = self.powersgd.stats
+        metrics = {
+            "powersgd/inter_node_bytes_per_rank": float(stats.bytes_sent_last_step),
+            "powersgd/uncompressed_bytes_per_rank": float(stats.uncompressed_bytes_last_step),
+            "powersgd/compression_ratio": float(stats.compression_ratio),
+            "powersgd/skipped_steps": float(stats.skipped_steps),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    # ------------------------------------------------------------------ state dicts and checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded (DTensor) state dict with the LightningModule's own parameter names."""
+        assert self.lightning_module is not None
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model state dict on CPU for single-device use (complete on rank 0 only)."""
+        assert self.lightning_module is not None
+        return export_full_state_dict(self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
+        assert self.powersgd is not None
+        path = self.broadcast(filepath)
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{idx}"] = optim_state
+        state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
+        save_sharded(path, state, checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
+        path = self.broadcast(checkpoint_path)
+        module = self.lightning_module
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        key = rank_key(POWERSGD_KEY, self.global_rank)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        for idx, opt in enumerate(optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
+        if optimizers:
+            state[key] = b""
+        metadata = load_sharded(path, state)
+        set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
+        for idx, opt in enumerate(optimizers):
+            set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
+        if optimizers:
+            self.powersgd.load_state_dict(unpack(state[key]))
+        return metadata
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The sharded state was already loaded in load_checkpoint.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The sharded state was already loaded in load_checkpoint.
+        pass
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Broadcast from the group's first rank in one collective per dtype instead of one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        if group is None:
+            dist.broadcast(flat, src=0)
+        else:
+            dist.broadcast(flat, group=group, group_src=0)
+        for t, chunk in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(chunk.view(t.shape))
+
+
+if STRATEGY_NAME not in StrategyRegistry:
+    StrategyRegistry.register(
+        STRATEGY_NAME,
+        ShardedPowerSGDStrategy,
+        description="FSDP2 sharding within a node, PowerSGD gradient averaging between nodes, sharded DCP checkpoints",
+    )
