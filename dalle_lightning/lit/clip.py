@@ -14,6 +14,8 @@ from typing import Any
 
 import lightning as L
 import torch
+
+from dalle_lightning.lit.schedules import optimizers_from_factories
 from open_clip.loss import ClipLoss
 from open_clip.modified_resnet import Bottleneck
 from open_clip.transformer import ResidualAttentionBlock
@@ -108,11 +110,7 @@ class ClipModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizers_from_factories(self.parameters(), self.optimizer_factory, self.scheduler_factory)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

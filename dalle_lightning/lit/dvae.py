@@ -11,6 +11,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from dalle_lightning.lit.schedules import optimizers_from_factories
 from torch import nn
 from torchmetrics import MeanSquaredError, Metric
 from torchmetrics.image import PeakSignalNoiseRatio
@@ -114,8 +116,4 @@ class DVAEModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return optimizers_from_factories(self.parameters(), self.optimizer_factory, self.scheduler_factory)

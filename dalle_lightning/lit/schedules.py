@@ -25,3 +25,12 @@ def warmup_cosine(optimizer: Optimizer, warmup_steps: int, total_steps: int, fin
         return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
 
     return LambdaLR(optimizer, factor)
+
+
+def optimizers_from_factories(params, optimizer_factory, scheduler_factory=None):  # noqa: ANN001, ANN201
+    """``configure_optimizers`` for the config convention: an optimizer partial and an optional scheduler
+    partial, the scheduler stepped every update (Lightning's ``interval="step"``)."""
+    optimizer = optimizer_factory(params)
+    if scheduler_factory is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler_factory(optimizer), "interval": "step"}}
