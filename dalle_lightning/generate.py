@@ -74,7 +74,7 @@ class Generator:
                    device: str = "cpu") -> "Generator":
         prior_model = load_model(prior)
         tok = CaptionTokenizer.load(tokenizer, text_len=prior_model.text_len)
-        reranker = Reranker.from_model(load_model(clip)) if clip is not None else None
+        reranker = Reranker.from_saved(clip) if clip is not None else None
         return cls(prior_model, load_model(dvae), tok, reranker, device)
 
     @torch.no_grad()

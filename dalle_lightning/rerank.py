@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dalle_lightning.artifacts import load_model
 from dalle_lightning.models import clip as clip_models
 
 
@@ -42,6 +43,11 @@ class Reranker(nn.Module):
         """A reranker for a model built by :func:`dalle_lightning.models.clip.create` (tokenizer and mean/std from it)."""
         mean, std = clip_models.image_mean_std(model)
         return cls(model, clip_models.tokenizer_for(model), mean, std, batch_size=batch_size)
+
+    @classmethod
+    def from_saved(cls, path: str | Path, device: str = "cpu") -> "Reranker":
+        """The CLIP that ``dalle-train stage=clip`` saved (``paths.clip``, written by ``artifacts.save_model``)."""
+        return cls.from_model(load_model(path)).to(device)
 
     @classmethod
     def from_pretrained(cls, name: str, pretrained: str | Path | None = None, device: str = "cpu") -> "Reranker":

@@ -110,6 +110,7 @@ class ResblockScalingPrecision(Precision):
         self._root: nn.Module | None = None
         self._blocks: list[nn.Module] = []
         self._pending_state: dict[str, Any] | None = None
+        self._agreed: Tensor | None = None  # flags from unscale_and_flag, consumed by the next optimizer_step
 
     # ----------------------------------------------------------------------------------------------- setup
     @override
@@ -169,12 +170,11 @@ class ResblockScalingPrecision(Precision):
         closure_result = closure()
         lightning = model if isinstance(model, pl.LightningModule) and model._trainer is not None else None
         if closure_result is None and lightning is not None and lightning.automatic_optimization:
+            self._agreed = None
             return None  # training_step returned None: no backward ran, nothing to step (as Lightning's AMP)
 
-        flags = self._unscale_and_check(optimizer)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the one collective: every rank skips together
-        flags = flags.cpu()  # the one host sync of the step
+        flags = self._agreed if self._agreed is not None else self._agree(self._unscale_and_check(optimizer))
+        self._agreed = None
         if lightning is not None:
             self._after_closure(lightning, optimizer)  # on_before_optimizer_step hooks and clipping see true grads
         step = self.scales.update(flags[:-1] > 0, other_nonfinite=bool(flags[-1] > 0))
@@ -184,6 +184,32 @@ class ResblockScalingPrecision(Precision):
         if lightning is not None:
             self._log(lightning)
         return output if step else closure_result
+
+    # ------------------------------------------------------------------------- protocol for strategies
+    @torch.no_grad()
+    def unscale_and_flag(self, optimizer: Optimizer) -> bool:
+        """Unscale every block's gradients now and agree on the non-finite flags across ranks; True if all finite.
+
+        For strategies that must see true gradients between the backward and the update, such as
+        ``ShardedPowerSGDStrategy``, which compresses them between nodes: it calls this first, so that its error
+        feedback holds unscaled values and an overflow backs off the block it came from instead of being lost
+        in the strategy's own skip. The next ``optimizer_step`` reuses these flags instead of unscaling again.
+        """
+        self._agreed = self._agree(self._unscale_and_check(optimizer))
+        return not bool((self._agreed > 0).any())
+
+    def mark_nonfinite(self) -> None:
+        """The strategy found a non-finite value after ``unscale_and_flag`` (e.g. in its inter-node sum):
+        skip the coming update as for any non-finite gradient outside the blocks (no scale backs off)."""
+        if self._agreed is None:
+            raise RuntimeError("mark_nonfinite() before unscale_and_flag(optimizer): no flags of this step to mark")
+        self._agreed[-1] = 1.0
+
+    @staticmethod
+    def _agree(flags: Tensor) -> Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the one collective: every rank skips together
+        return flags.cpu()  # the one host sync of the step
 
     @torch.no_grad()
     def _unscale_and_check(self, optimizer: Optimizer) -> Tensor:

@@ -9,7 +9,9 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
   gradient with its replicas on the other nodes through :class:`strategies.powersgd.PowerSGD` (not FSDP's HSDP
   all-reduce, which cannot be compressed). If PowerSGD reports a non-finite gradient anywhere, every rank skips
-  the optimizer step;
+  the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
+  ``mark_nonfinite()`` (:class:`strategies.resblock_precision.ResblockScalingPrecision`) unscales the gradients
+  before PowerSGD and owns the skip decision;
 * checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state
   (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
 
@@ -302,6 +304,16 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # Run forward/backward first, so the inter-node average (and the skip decision) sits between the
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
         result = closure()
+        precision = self.precision_plugin
+        unscale = getattr(precision, "unscale_and_flag", None)
+        if callable(unscale):
+            # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
+            # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
+            # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
+            # collectives or none does.
+            if unscale(optimizer) and not self.reduce_gradients():
+                precision.mark_nonfinite()
+            return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
         if not self.reduce_gradients():
             optimizer.zero_grad(set_to_none=True)
             return result

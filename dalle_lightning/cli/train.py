@@ -80,6 +80,9 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger) if cfg.logger else False
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
     trainer.fit(module, datamodule=datamodule)
+    if getattr(datamodule, "val_shards", None) and not cfg.trainer.fast_dev_run:
+        # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     if trainer.is_global_zero and not cfg.trainer.fast_dev_run:
         save_model(cfg.output, cfg.model, model, meta=model_meta(cfg.stage.name, model))

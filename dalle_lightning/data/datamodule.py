@@ -191,7 +191,8 @@ class ImageTextDataModule(WebDataModule):
 class TokenDataModule(WebDataModule):
     """Token shards written by ``dalle-encode`` (``codes.npy`` image codes, ``ids.npy`` caption ids, ``txt``).
 
-    Batches: {"text": LongTensor[B, text_len] (0 = padding), "image": LongTensor[B, grid*grid]}.
+    Batches: {"text": LongTensor[B, text_len] (0 = padding), "image": LongTensor[B, grid*grid],
+    "caption": list[str]} (the caption string, for evaluation only).
     With a ``tokenizer`` and ``bpe_dropout`` > 0 the caption is re-encoded with BPE dropout (paper: 10%).
     """
 
@@ -220,7 +221,10 @@ class TokenDataModule(WebDataModule):
                 return None
             self.tokenizer.set_dropout(self.bpe_dropout)
             ids = np.asarray(self.tokenizer.encode(text))
+        else:  # the caption string only feeds evaluation (the contrastive score), so a bad one is not fatal
+            text = bytes(sample.get("txt") or b"").decode("utf-8", errors="replace").strip()
         text_ids = torch.zeros(self.text_len, dtype=torch.long)
         ids = torch.from_numpy(ids.astype(np.int64))[: self.text_len]
         text_ids[: ids.numel()] = ids
-        return {"text": text_ids, "image": torch.from_numpy(codes.astype(np.int64)).reshape(-1)}
+        image = torch.from_numpy(codes.astype(np.int64)).reshape(-1)
+        return {"text": text_ids, "image": image, "caption": text}

@@ -1,18 +1,27 @@
 """LightningModule for the stage-two prior: caption dropout for super-conditioning, optimiser and schedule wiring.
 
-Batches are ``{"text": LongTensor[B, T] (0 = padding), "image": LongTensor[B, N]}`` (dVAE codes, raster order).
+Batches are ``{"text": LongTensor[B, T] (0 = padding), "image": LongTensor[B, N]}`` (dVAE codes, raster order),
+optionally with ``"caption": list[str]``.
+
+Given a dVAE (``dvae=``, a module or the path of a saved one), the module also speaks the protocol of
+``callbacks.fid.FIDCallback``: ``fid_generate`` samples image tokens for a validation batch's captions and decodes
+them, ``fid_real`` decodes the batch's real codes (so FID compares like with like: both through the same
+decoder), and ``fid_captions`` hands over the caption strings for the contrastive score.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from typing_extensions import override
 
+from dalle_lightning.artifacts import load_model
 from dalle_lightning.models.prior import DallePrior
+from dalle_lightning.sampling import sample_image_tokens
 
 
 def drop_captions(text: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -44,6 +53,10 @@ class PriorModule(pl.LightningModule):
         optimizer: Callable[[Iterable], torch.optim.Optimizer],
         scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
         caption_dropout: float = 0.1,
+        dvae: nn.Module | str | Path | None = None,
+        fid_temperature: float = 1.0,
+        fid_top_k: int | None = None,
+        fid_seed: int = 0,
     ):
         super().__init__()
         if not 0.0 <= caption_dropout <= 1.0:
@@ -52,7 +65,13 @@ class PriorModule(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.caption_dropout = caption_dropout
-        self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
+        self.save_hyperparameters(ignore=["model", "optimizer", "scheduler", "dvae"])
+        # Frozen and kept out of the module tree: not trained, not checkpointed, not sharded or scaled.
+        self._dvae: list[nn.Module] = []
+        if dvae is not None:
+            decoder = load_model(dvae) if isinstance(dvae, (str, Path)) else dvae
+            self._dvae.append(decoder.eval().requires_grad_(False))
+        self.fid_temperature, self.fid_top_k, self.fid_seed = fid_temperature, fid_top_k, fid_seed
 
     def resblocks(self) -> list[tuple[str, nn.Module]]:
         return [(f"model.{name}", module) for name, module in self.model.resblocks()]
@@ -77,6 +96,36 @@ class PriorModule(pl.LightningModule):
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._step(batch, "val", 0.0)
+
+    # ------------------------------------------------------------------ FIDCallback protocol
+    def _decoder(self) -> nn.Module:
+        if not self._dvae:
+            raise RuntimeError("PriorModule has no dVAE to decode images; pass dvae=<path of dvae.pt> for FID")
+        return self._dvae[0].to(self.device)
+
+    @torch.no_grad()
+    def fid_generate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Images sampled for the batch's captions (seeded per call, so evaluations are comparable)."""
+        generator = torch.Generator(device=self.device).manual_seed(self.fid_seed)
+        tokens = sample_image_tokens(
+            self.model, batch["text"], temperature=self.fid_temperature, top_k=self.fid_top_k, generator=generator
+        )
+        return self._decode(tokens)
+
+    @torch.no_grad()
+    def fid_real(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's real images as the prior sees them: its dVAE codes, decoded."""
+        return self._decode(batch["image"])
+
+    def fid_captions(self, batch: dict[str, object]) -> list[str]:
+        captions = batch.get("caption")
+        if not isinstance(captions, (list, tuple)):
+            raise KeyError("token batch has no 'caption' strings; write token shards with dalle-encode (it keeps txt)")
+        return list(captions)
+
+    def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        grid = self.model.image_grid
+        return self._decoder().decode_indices(tokens.reshape(-1, grid, grid)).float().clamp(0, 1)
 
     @override
     def configure_optimizers(self):
