@@ -117,6 +117,3 @@ def test_overflow_backs_off_its_block_and_powersgd_sees_unscaled_gradients() -> 
     assert set(full) == set(reference)
     for name, want in reference.items():
         torch.testing.assert_close(full[name], want, atol=2e-2, rtol=0, msg=lambda m: f"{name}: {m}")
-    for r in results[1:]:
-        for name in full:
-            assert torch.equal(r["full"][name], full[name]), name
