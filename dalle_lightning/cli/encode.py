@@ -35,7 +35,7 @@ def _npy(arr: np.ndarray) -> bytes:
 
 @torch.no_grad()
 def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str, out_dir: Path, image_size: int,
-                 batch_size: int, shard_size: int) -> int:
+                 batch_size: int, shard_size: int, bf16: bool = False) -> int:
     """Encode one split; returns the number of samples written."""
     reader = ImageTextDataModule(image_size=image_size)
     keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
@@ -47,7 +47,9 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
     n = 0
     with wds.ShardWriter(str(tmp / "%06d.tar"), maxcount=shard_size, verbose=0) as sink:
         for batch in loader:
-            codes = dvae.get_codebook_indices(batch["image"]).flatten(1).to(torch.int32).numpy()
+            images = batch["image"].contiguous(memory_format=torch.channels_last)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                codes = dvae.get_codebook_indices(images).flatten(1).to(torch.int32).numpy()
             for key, text, code in zip(batch["key"], batch["text"], codes):
                 ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
                 sink.write({"__key__": key, "codes.npy": _npy(code.astype(np.uint16)), "ids.npy": _npy(ids),
@@ -62,16 +64,17 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
 
 def run(cfg: DictConfig) -> dict[str, int]:
     check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "splits", "out_dir", "shard_size",
-                     "batch_size", "force"})
+                     "batch_size", "bf16", "force"})
     out = Path(cfg.out_dir)
     if not cfg.force and all(any((out / s).glob("*.tar")) for s in cfg.splits):
         log.info("token shards exist in %s; reusing them (force=true rewrites)", out)
         return {}
-    dvae = load_model(cfg.dvae)
+    dvae = load_model(cfg.dvae).to(memory_format=torch.channels_last)  # NHWC convolutions: ~1.6x faster on CPU
     tokenizer = CaptionTokenizer.load(cfg.tokenizer, text_len=cfg.text_len)
     counts = {}
     for split, shards in cfg.splits.items():
-        counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size, cfg.shard_size)
+        counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
+                                     cfg.shard_size, bf16=cfg.bf16)
         log.info("%s: %d samples -> %s", split, counts[split], out / split)
     if tokenizer.truncated:
         log.warning("%d captions were longer than text_len=%d and truncated", tokenizer.truncated, cfg.text_len)
