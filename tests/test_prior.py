@@ -200,3 +200,32 @@ def test_lightning_fast_dev_run(tmp_path):
     assert any(not p.equal(before[n]) for n, p in module.named_parameters())
     groups = trainer.optimizers[0].param_groups
     assert groups[0]["weight_decay"] == 0.045 and groups[1]["weight_decay"] == 0.0
+
+
+def test_fid_protocol_decodes_samples_and_real_codes_with_the_dvae():
+    """``fid_generate`` = the seeded sampler's tokens through the dVAE; ``fid_real`` = the batch's codes through it."""
+    from dalle_lightning.models.dvae import DiscreteVAE
+    from dalle_lightning.sampling import sample_image_tokens
+
+    torch.manual_seed(0)
+    dvae = DiscreteVAE(image_size=40, group_count=4, n_hid=8, n_blk_per_group=1, vocab_size=24, codebook_dim=8)
+    module = PriorModule(tiny(), functools.partial(torch.optim.AdamW), dvae=dvae, fid_seed=3)
+    text, image = batch()
+    data = {"text": text, "image": image, "caption": ["a", "b", "c"]}
+    grid = TINY["image_grid"]
+
+    real = module.fid_real(data)
+    with torch.no_grad():
+        assert torch.equal(real, dvae.decode_indices(image.reshape(-1, grid, grid)).clamp(0, 1))
+        tokens = sample_image_tokens(module.model, text, generator=torch.Generator().manual_seed(3))
+        expected = dvae.decode_indices(tokens.reshape(-1, grid, grid)).clamp(0, 1)
+    fake = module.fid_generate(data)
+    assert fake.shape == (3, 3, 40, 40) and torch.equal(fake, expected)
+    assert torch.equal(module.fid_generate(data), fake)  # every evaluation draws the same way
+    assert module.fid_captions(data) == ["a", "b", "c"]
+    assert not any(n.startswith("_dvae") or "dvae" in n for n, _ in module.named_parameters())  # not trained
+
+    with pytest.raises(KeyError, match="caption"):
+        module.fid_captions({"text": text, "image": image})
+    with pytest.raises(RuntimeError, match="dvae"):
+        PriorModule(tiny(), functools.partial(torch.optim.AdamW)).fid_real(data)
