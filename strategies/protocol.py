@@ -16,6 +16,7 @@ configs and state dicts.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 from collections.abc import Iterable, Sequence
 
 from torch import nn
@@ -76,3 +77,16 @@ def find_resblocks(
         f"{type(root).__name__} declares no resblocks: give module classes or name patterns, "
         f"or define {RESBLOCKS_METHOD}() returning its residual branches"
     )
+
+
+def resolve_block_class(spec: type[nn.Module] | str) -> type[nn.Module]:
+    """Accept classes or dotted paths (``"torchvision.models.resnet.BasicBlock"``) so Hydra configs can name them."""
+    if isinstance(spec, type):
+        return spec
+    module_name, _, attr = str(spec).rpartition(".")
+    if not module_name:
+        raise ValueError(f"block class {spec!r} is not a dotted path like 'package.module.Class'")
+    cls = getattr(importlib.import_module(module_name), attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"block class {spec!r} does not name an nn.Module subclass")
+    return cls

@@ -21,7 +21,6 @@ Gradients may be DTensors (FSDP2 / sharded strategies): only their local shards 
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -36,21 +35,11 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from strategies.grad_filter import BranchBoundaries
-from strategies.protocol import find_resblocks
+from strategies.protocol import find_resblocks, resolve_block_class
 from strategies.scale_rules import BlockScales, ScaleRules
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
-
-
-def _resolve_class(spec: type[nn.Module] | str) -> type[nn.Module]:
-    """Accept classes or dotted paths, so Hydra configs can name block classes as strings."""
-    if isinstance(spec, type):
-        return spec
-    module_name, _, attr = str(spec).rpartition(".")
-    if not module_name:
-        raise ValueError(f"block_classes entry {spec!r}, expected a class or a dotted path 'package.module.Class'")
-    return getattr(importlib.import_module(module_name), attr)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -93,7 +82,7 @@ class ResblockScalingPrecision(Precision):
             raise ValueError(f"replicas={replicas}, expected a positive integer or None (= data-parallel size)")
         self.precision = _LIGHTNING_NAMES[dtype]  # type: ignore[assignment]
         self.dtype = _DTYPES[dtype]
-        self.block_classes = [_resolve_class(c) for c in block_classes or ()]
+        self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
         self.replicas = replicas
         self.rules = ScaleRules(

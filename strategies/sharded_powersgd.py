@@ -23,7 +23,6 @@ on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGD
 from __future__ import annotations
 
 import fnmatch
-import importlib
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -54,7 +53,7 @@ from strategies.dcp_checkpoint import export_full_state_dict, load_sharded, pack
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
-from strategies.protocol import find_resblocks
+from strategies.protocol import find_resblocks, resolve_block_class
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,19 +79,6 @@ class ShardedRoot(nn.Module):
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-
-def _resolve_class(spec: type[nn.Module] | str) -> type[nn.Module]:
-    """Accept classes or dotted paths (``"torchvision.models.resnet.BasicBlock"``) so Hydra configs can name them."""
-    if isinstance(spec, type):
-        return spec
-    module_name, _, attr = str(spec).rpartition(".")
-    if not module_name:
-        raise ValueError(f"block class {spec!r} is not a dotted path like 'package.module.Class'")
-    cls = getattr(importlib.import_module(module_name), attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"block class {spec!r} does not name an nn.Module subclass")
-    return cls
 
 
 def _resolve_dtype(spec: torch.dtype | str | None) -> torch.dtype | None:
@@ -190,7 +176,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
         self.devices_per_node = devices_per_node
-        self.block_classes = [_resolve_class(c) for c in block_classes or ()]
+        self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
         self.reshard_after_forward = reshard_after_forward
         self.prefetch_depth = prefetch_depth

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -31,3 +32,13 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("work")
     run_app(data.main, f"paths.work_dir={work}", "n_train=256", "n_val=64", "n_zeroshot=32", "shard_size=64")
     return work
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models (and tiny fp16 matmuls) run far faster on one thread: thread start-up costs more than it
+    saves, and the CI machine's 2 cores are shared. Modules opt in with ``pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

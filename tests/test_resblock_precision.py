@@ -25,13 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from strategies.resblock_precision import ResblockScalingPrecision
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny fp16 matmuls: thread start-up costs more than it saves, and the CI machine has 2 shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
 # --------------------------------------------------------------------------------------------------- the model

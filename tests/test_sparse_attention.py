@@ -18,13 +18,7 @@ from dalle_lightning.models.sparse_attention import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny kernels run ~40x faster on one thread when the 2 cores are shared with other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
 def keys(mask: torch.Tensor, query: int) -> set[int]:
