@@ -1,6 +1,6 @@
 """Sampling latency per image with and without the KV cache at the demo shape, printed as JSON.
 
-Demo shape (``conf/model/prior_shapes.yaml``): 6 layers, 4 heads x 32, 32 caption positions, 8x8 image tokens,
+Demo shape (``conf/model/prior_shapes.yaml``): 6 layers, 4 heads x 32, 20 caption positions, 8x8 image tokens,
 512 image codes; random weights (latency does not depend on them). Both modes draw the same tokens for the same
 seed (tested in ``tests/test_sampling.py``), so only the time differs.
 Usage: ``python benchmarks/sampling.py [--batch 16] [--cond-scale 1.0] [--impl sparse] [--repeats 3] [--threads N]``.
@@ -17,7 +17,7 @@ import torch
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.sampling import sample_image_tokens
 
-DEMO = dict(text_vocab_size=128, text_len=32, image_vocab_size=512, image_grid=8, n_layer=6, n_head=4, d_head=32,
+DEMO = dict(text_vocab_size=128, text_len=20, image_vocab_size=512, image_grid=8, n_layer=6, n_head=4, d_head=32,
             conv_kernel=5)
 
 
