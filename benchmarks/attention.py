@@ -1,7 +1,8 @@
 """Sparse (blocked) vs dense-mask attention: forward + backward time per attention kind, printed as JSON.
 
 Shapes: the paper's stream (256 text + start = 257 text positions, 32x32 image) with a few heads of 64, and the
-demo's (20 text + start, 8x8 image). Default dtype fp32 (``--dtype bf16`` for bf16 inputs; softmax stays fp32).
+demo's (caption positions + start and head width read from ``conf/model/prior_shapes.yaml``, 8x8 image).
+Default dtype fp32 (``--dtype bf16`` for bf16 inputs; softmax stays fp32).
 Usage: ``python benchmarks/attention.py [--heads 4] [--batch 1] [--dtype fp32] [--repeats 5] [--threads N]``.
 """
 
@@ -11,7 +12,10 @@ import argparse
 import json
 import time
 
+from pathlib import Path
+
 import torch
+from omegaconf import OmegaConf
 
 from dalle_lightning.models.sparse_attention import AttentionLayout, dense_attention, sparse_attention
 
@@ -43,7 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    shapes = {"paper": (257, 32, 64, args.batch), "demo": (21, 8, 32, 16 * args.batch)}
+    demo = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
+    shapes = {"paper": (257, 32, 64, args.batch), "demo": (demo.text_len + 1, 8, demo.d_head, 16 * args.batch)}
     results = []
     for shape, (n_text, grid, d_head, batch) in shapes.items():
         for kind in ("row", "column", "conv"):

@@ -1,7 +1,7 @@
 """Sampling latency per image with and without the KV cache at the demo shape, printed as JSON.
 
-Demo shape (``conf/model/prior_shapes.yaml``): 6 layers, 4 heads x 32, 20 caption positions, 8x8 image tokens,
-512 image codes; random weights (latency does not depend on them). Both modes draw the same tokens for the same
+Demo shape: the layers, heads, caption positions and conv kernel of ``conf/model/prior_shapes.yaml`` (read from it, so
+the benchmark follows the config), 8x8 image tokens, 512 image codes; random weights (latency does not depend on them). Both modes draw the same tokens for the same
 seed (tested in ``tests/test_sampling.py``), so only the time differs.
 Usage: ``python benchmarks/sampling.py [--batch 16] [--cond-scale 1.0] [--impl sparse] [--repeats 3] [--threads N]``.
 """
@@ -12,13 +12,18 @@ import argparse
 import json
 import time
 
+from pathlib import Path
+
 import torch
+from omegaconf import OmegaConf
 
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.sampling import sample_image_tokens
 
-DEMO = dict(text_vocab_size=128, text_len=20, image_vocab_size=512, image_grid=8, n_layer=6, n_head=4, d_head=32,
-            conv_kernel=5)
+PRIOR = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
+# Vocabularies and grid come from the trained tokenizer and dVAE in the config; fixed here to the demo's values.
+DEMO = dict(text_vocab_size=128, text_len=PRIOR.text_len, image_vocab_size=512, image_grid=8, n_layer=PRIOR.n_layer,
+            n_head=PRIOR.n_head, d_head=PRIOR.d_head, conv_kernel=PRIOR.conv_kernel)
 
 
 def main() -> None:
