@@ -184,3 +184,24 @@ def test_resblocks_and_bad_inputs() -> None:
     assert names == [f"model.visual.layer{i}.0" for i in range(1, 5)] + ["model.transformer.resblocks.0", "model.transformer.resblocks.1"]
     with pytest.raises(ValueError, match="open_clip_spec"):
         ClipModule(clip_models.open_clip.model.CLIP(**clip_models.SHAPES_CLIP_CONFIG), optimizer=torch.optim.AdamW)
+
+
+def test_clip_module_sees_a_share_of_each_batch_as_dvae_reconstructions() -> None:
+    from dalle_lightning.models.dvae import DiscreteVAE
+
+    torch.manual_seed(0)
+    dvae = DiscreteVAE(image_size=64, vocab_size=16, n_hid=8, n_blk_per_group=1, codebook_dim=8)
+    images = images_of(sample_scenes(0, "train", 4))
+    module = ClipModule(clip_models.create(), optimizer=torch.optim.AdamW, dvae=dvae, recon_share=0.5)
+    mixed = module.with_reconstructions(images)
+    # The first half is what the dVAE's argmax codes decode to (the generator's images); the rest is untouched.
+    torch.testing.assert_close(mixed[:2], dvae.reconstruct(images[:2]).float().clamp(0, 1))
+    torch.testing.assert_close(mixed[2:], images[2:])
+    assert not torch.allclose(mixed[:2], images[:2])
+    # The frozen dVAE is neither trained nor saved with the CLIP.
+    assert not any(name.startswith("_dvae") for name in module.state_dict())
+    assert all(p is not q for p in module.parameters() for q in dvae.parameters())
+    plain = ClipModule(clip_models.create(), optimizer=torch.optim.AdamW)
+    assert plain.with_reconstructions(images) is images
+    with pytest.raises(ValueError, match="recon_share=1.5"):
+        ClipModule(clip_models.create(), optimizer=torch.optim.AdamW, dvae=dvae, recon_share=1.5)
