@@ -10,6 +10,10 @@ of the reranker's image tower (the shapes CLIP; Inception knows nothing of this 
 With a few hundred images FID is biased upwards, so the report also gives ``reference_fid``: the FID between
 two independent sets of renders of the same size, the value a perfect generator would score.
 The contrastive score is the mean cosine similarity of each best-of-N image with its caption.
+
+``any_of_n`` is the share of captions for which at least one of the first N candidates matches: the accuracy a
+perfect reranker would reach. The gap between it and ``accuracy`` is the reranker's; the gap between it and 1 is
+the generator's (prior and dVAE together).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from callbacks.fid import build_fid
 from dalle_lightning.generate import Generation, Generator
 from dalle_lightning.world import Scene, caption_accuracy, render, sample_scene, sample_scenes
+from dalle_lightning.world.detect import match
 from dalle_lightning.world.scene import split_rng
 
 
@@ -69,9 +74,12 @@ def evaluate_split(gen: Generator, captions: list[str], candidates: list[int], r
     reference_fid: float | None = None
     if reference is not None and gen.reranker is not None and len(captions) >= 2:
         fids, reference_fid = fid_curve(gen.reranker, reference, result, candidates, baseline)
+    matches = np.array([[match(image, caption).ok for image in images]
+                        for images, caption in zip(result.candidates, captions)])  # [P, N]: every candidate judged
     report: dict[str, Any] = {}
     for n in candidates:
         entry: dict[str, Any] = caption_accuracy(result.best_of(n), captions)
+        entry["any_of_n"] = float(matches[:, :n].any(axis=1).mean())
         if result.scores is not None:
             entry["contrastive_score"] = float(result.scores[:, :n].max(dim=1).values.mean())
         if n in fids:

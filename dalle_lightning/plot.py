@@ -139,9 +139,12 @@ def report_panels(report: dict[str, Any]) -> list[Panel]:
         series = {}
         for split, label in SPLIT_LABELS.items():
             per_n = report.get(split, {})
-            pts = [(float(n), float(v[key])) for n, v in per_n.items() if n.isdigit() and v.get(key) is not None]
-            if pts:
-                series[label] = pts
+            # Accuracy also shows what a perfect reranker would reach (any of the N candidates matches).
+            for series_key, series_label in [(key, label)] + [("any_of_n", f"{label}, any of N")] * (key == "accuracy"):
+                pts = [(float(n), float(v[series_key])) for n, v in per_n.items()
+                       if n.isdigit() and v.get(series_key) is not None]
+                if pts:
+                    series[series_label] = pts
         if series:
             panels.append(Panel(title, ylabel, series, ylim=ylim))
     return panels

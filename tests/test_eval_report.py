@@ -127,3 +127,24 @@ def test_plot_report_skips_missing_metrics_and_rejects_empty_reports(tmp_path: P
         assert png.size == (360, 280)  # accuracy only: one panel
     with pytest.raises(ValueError, match="no per-N results"):
         plot_report({"candidates": [1]}, tmp_path / "b.png")
+
+
+def test_any_of_n_is_the_perfect_reranker_accuracy(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dalle_lightning.generate import Generation
+
+    scenes = eval_scenes(4, "val", 4)
+    captions = [s.caption for s in scenes]
+    renders = images_of(scenes)
+    # Candidate 0 is blank, candidate 1 the caption's own render, candidate 2 another caption's render; the scores
+    # prefer candidate 2, so a reranker following them is always wrong while a perfect one finds candidate 1.
+    candidates = torch.stack([torch.zeros_like(renders), renders, renders.roll(1, dims=0)], dim=1)
+    scores = torch.tensor([[0.0, 0.5, 1.0]]).repeat(4, 1)
+
+    def fake_generate(prompts: list[str], num_candidates: int, **_: object) -> Generation:
+        assert num_candidates == 3
+        return Generation(prompts, candidates, scores, candidates[:, 2])
+
+    monkeypatch.setattr(gen, "generate", fake_generate)
+    report = evaluate_split(gen, captions, [1, 2, 3])
+    assert [report[str(n)]["any_of_n"] for n in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert [report[str(n)]["accuracy"] for n in (1, 2, 3)] == [0.0, 1.0, 0.0]

@@ -35,12 +35,16 @@ def _npy(arr: np.ndarray) -> bytes:
 
 @torch.no_grad()
 def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str, out_dir: Path, image_size: int,
-                 batch_size: int, shard_size: int, bf16: bool = False) -> int:
-    """Encode one split; returns the number of samples written."""
+                 batch_size: int, shard_size: int, bf16: bool = False, num_workers: int = 0) -> int:
+    """Encode one split; returns the number of samples written.
+
+    With ``num_workers`` loader processes, PNG decoding overlaps the dVAE's forward passes; each worker then
+    logs the samples it skips (with their keys), but only a single-process run can total them at the end.
+    """
     reader = ImageTextDataModule(image_size=image_size)
     keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
     stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0)
-    loader = torch.utils.data.DataLoader(stream, batch_size=batch_size)
+    loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -64,7 +68,7 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
 
 def run(cfg: DictConfig) -> dict[str, int]:
     check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "splits", "out_dir", "shard_size",
-                     "batch_size", "bf16", "force"})
+                     "batch_size", "bf16", "num_workers", "force"})
     out = Path(cfg.out_dir)
     if not cfg.force and all(any((out / s).glob("*.tar")) for s in cfg.splits):
         log.info("token shards exist in %s; reusing them (force=true rewrites)", out)
@@ -74,7 +78,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
     counts = {}
     for split, shards in cfg.splits.items():
         counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
-                                     cfg.shard_size, bf16=cfg.bf16)
+                                     cfg.shard_size, bf16=cfg.bf16, num_workers=cfg.num_workers)
         log.info("%s: %d samples -> %s", split, counts[split], out / split)
     if tokenizer.truncated:
         log.warning("%d captions were longer than text_len=%d and truncated", tokenizer.truncated, cfg.text_len)
