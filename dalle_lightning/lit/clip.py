@@ -60,7 +60,8 @@ class ClipModule(L.LightningModule):
         self._dvae: list[nn.Module] = []
         if dvae is not None:
             decoder = load_model(dvae) if isinstance(dvae, (str, Path)) else dvae
-            self._dvae.append(decoder.eval().requires_grad_(False))
+            # NHWC convolutions run about 2x faster on CPU; reconstructing half a batch then costs less than CLIP.
+            self._dvae.append(decoder.eval().requires_grad_(False).to(memory_format=torch.channels_last))
         self.spec = clip_models.spec_of(model)  # fails now, not at the first checkpoint, for foreign models
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -105,7 +106,8 @@ class ClipModule(L.LightningModule):
         if not self._dvae or k == 0:
             return images
         dvae = self._dvae[0].to(self.device)
-        recon = dvae.reconstruct(images[:k]).float().clamp(0, 1)
+        recon = dvae.reconstruct(images[:k].contiguous(memory_format=torch.channels_last)).float().clamp(0, 1)
+        recon = recon.contiguous()  # back to NCHW, like the clean rows it joins
         return torch.cat([recon, images[k:]])
 
     def _shared_step(self, batch: dict[str, Any], stage: str) -> torch.Tensor:
