@@ -57,6 +57,13 @@ def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> nn
     return model.to(map_location).eval()
 
 
+def load_frozen(model: nn.Module | str | Path) -> nn.Module:
+    """A model (or the saved artifact at a path) in eval mode without gradients: a fixed helper of another stage's
+    training, such as the dVAE that decodes images for the prior's FID or the CLIP's reconstructions."""
+    module = load_model(model) if isinstance(model, (str, Path)) else model
+    return module.eval().requires_grad_(False)
+
+
 def read_meta(path: str | Path, key: str) -> Any:
     """One metadata value of a saved model, or of a ``tokenizer.json`` (``vocab_size``)."""
     path = Path(path)

@@ -26,7 +26,7 @@ import torch
 from callbacks.fid import build_fid
 from dalle_lightning.generate import Generation, Generator
 from dalle_lightning.world import Scene, caption_accuracy, render, sample_scene, sample_scenes
-from dalle_lightning.world.detect import match
+from dalle_lightning.world.detect import match, summarize_matches
 from dalle_lightning.world.scene import split_rng
 
 
@@ -74,12 +74,14 @@ def evaluate_split(gen: Generator, captions: list[str], candidates: list[int], r
     reference_fid: float | None = None
     if reference is not None and gen.reranker is not None and len(captions) >= 2:
         fids, reference_fid = fid_curve(gen.reranker, reference, result, candidates, baseline)
-    matches = np.array([[match(image, caption).ok for image in images]
-                        for images, caption in zip(result.candidates, captions)])  # [P, N]: every candidate judged
+    # Every candidate is judged once; best-of-N accuracy and any-of-N are both read from these results.
+    judged = [[match(image, caption) for image in images] for images, caption in zip(result.candidates, captions)]
+    ok = np.array([[r.ok for r in row] for row in judged])  # [P, N]
     report: dict[str, Any] = {}
     for n in candidates:
-        entry: dict[str, Any] = caption_accuracy(result.best_of(n), captions)
-        entry["any_of_n"] = float(matches[:, :n].any(axis=1).mean())
+        best = result.best_index(n).tolist()
+        entry: dict[str, Any] = summarize_matches([row[i] for row, i in zip(judged, best)])
+        entry["any_of_n"] = float(ok[:, :n].any(axis=1).mean())
         if result.scores is not None:
             entry["contrastive_score"] = float(result.scores[:, :n].max(dim=1).values.mean())
         if n in fids:

@@ -39,12 +39,15 @@ class Generation:
     scores: torch.Tensor | None
     images: torch.Tensor
 
+    def best_index(self, n: int) -> torch.Tensor:
+        """Per prompt, the index of the best of the first ``n`` candidates (``n = 1``: no reranking, index 0)."""
+        if self.scores is None or n == 1:
+            return torch.zeros(len(self.prompts), dtype=torch.long)
+        return self.scores[:, :n].argmax(dim=1)
+
     def best_of(self, n: int) -> torch.Tensor:
         """The best of the first ``n`` candidates per prompt (``n = 1``: no reranking)."""
-        if self.scores is None or n == 1:
-            return self.candidates[:, 0]
-        idx = self.scores[:, :n].argmax(dim=1)
-        return self.candidates[torch.arange(len(self.prompts)), idx]
+        return self.candidates[torch.arange(len(self.prompts)), self.best_index(n)]
 
 
 def check_prompts(prompts: list[str]) -> list[str]:

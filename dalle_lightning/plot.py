@@ -139,8 +139,10 @@ def report_panels(report: dict[str, Any]) -> list[Panel]:
         series = {}
         for split, label in SPLIT_LABELS.items():
             per_n = report.get(split, {})
-            # Accuracy also shows what a perfect reranker would reach (any of the N candidates matches).
-            for series_key, series_label in [(key, label)] + [("any_of_n", f"{label}, any of N")] * (key == "accuracy"):
+            lines = [(key, label)]
+            if key == "accuracy":  # beside it, what a perfect reranker would reach (any of the N candidates matches)
+                lines.append(("any_of_n", f"{label}, any of N"))
+            for series_key, series_label in lines:
                 pts = [(float(n), float(v[series_key])) for n, v in per_n.items()
                        if n.isdigit() and v.get(series_key) is not None]
                 if pts:

@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from dalle_lightning.artifacts import load_model
+from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.lit.schedules import optimizers_from_factories
 from open_clip.loss import ClipLoss
 from open_clip.modified_resnet import Bottleneck
@@ -59,9 +59,8 @@ class ClipModule(L.LightningModule):
         # A plain list keeps the frozen dVAE out of the state dict and the optimizer: only CLIP is trained and saved.
         self._dvae: list[nn.Module] = []
         if dvae is not None:
-            decoder = load_model(dvae) if isinstance(dvae, (str, Path)) else dvae
             # NHWC convolutions run about 2x faster on CPU; reconstructing half a batch then costs less than CLIP.
-            self._dvae.append(decoder.eval().requires_grad_(False).to(memory_format=torch.channels_last))
+            self._dvae.append(load_frozen(dvae).to(memory_format=torch.channels_last))
         self.spec = clip_models.spec_of(model)  # fails now, not at the first checkpoint, for foreign models
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler

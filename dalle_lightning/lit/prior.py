@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from dalle_lightning.artifacts import load_model
+from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.sampling import sample_image_tokens
 
@@ -69,8 +69,7 @@ class PriorModule(pl.LightningModule):
         # Frozen and kept out of the module tree: not trained, not checkpointed, not sharded or scaled.
         self._dvae: list[nn.Module] = []
         if dvae is not None:
-            decoder = load_model(dvae) if isinstance(dvae, (str, Path)) else dvae
-            self._dvae.append(decoder.eval().requires_grad_(False))
+            self._dvae.append(load_frozen(dvae))
         self.fid_temperature, self.fid_top_k, self.fid_seed = fid_temperature, fid_top_k, fid_seed
 
     def resblocks(self) -> list[tuple[str, nn.Module]]:

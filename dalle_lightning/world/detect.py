@@ -205,7 +205,12 @@ def caption_accuracy(images: Iterable, captions: Sequence[str]) -> dict[str, flo
     images = list(images)
     if len(images) != len(captions):
         raise ValueError(f"{len(images)} images but {len(captions)} captions; expected one caption per image")
-    results = [match(image, caption) for image, caption in zip(images, captions)]
+    return summarize_matches([match(image, caption) for image, caption in zip(images, captions)])
+
+
+def summarize_matches(results: Sequence[MatchResult]) -> dict[str, float]:
+    """The :func:`caption_accuracy` report of results already judged, so a caller that judged every candidate
+    once can report any selection of them without running the detector again."""
     if not results:
         raise ValueError("caption_accuracy got no images; expected at least one image-caption pair")
     keys = ("count", "colour", "shape", "size", "relation")
