@@ -205,3 +205,23 @@ def test_clip_module_sees_a_share_of_each_batch_as_dvae_reconstructions() -> Non
     assert plain.with_reconstructions(images) is images
     with pytest.raises(ValueError, match="recon_share=1.5"):
         ClipModule(clip_models.create(), optimizer=torch.optim.AdamW, dvae=dvae, recon_share=1.5)
+
+
+def test_hard_negative_loss_is_cross_entropy_over_captions_and_their_negatives() -> None:
+    torch.manual_seed(0)
+    scenes = sample_scenes(0, "train", 6)
+    captions = [s.caption for s in scenes]
+    negative = {c: f"a white circle to the left of a white {'square' if 'square' not in c else 'triangle'}" for c in captions}
+    module = ClipModule(clip_models.create(), optimizer=torch.optim.AdamW, negatives=negative.__getitem__, negative_weight=0.5)
+    images = images_of(scenes)
+    image_features, text_features, scale = module(images, captions)
+    loss, above = module.hard_negative_loss(image_features, text_features, captions, scale)
+    # Reference: open_clip's own text tower on the caption list and on the negatives, one logit row per image.
+    tok = clip_models.tokenizer_for(module.model)
+    texts = module.model.encode_text(tok(captions + [negative[c] for c in captions]), normalize=True)
+    logits = scale * image_features @ texts.T
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, torch.arange(6)))
+    expected_above = (logits.diagonal() > logits[torch.arange(6), torch.arange(6, 12)]).float().mean()
+    torch.testing.assert_close(above, expected_above)
+    with pytest.raises(ValueError, match="negative_weight=-1"):
+        ClipModule(clip_models.create(), optimizer=torch.optim.AdamW, negative_weight=-1)

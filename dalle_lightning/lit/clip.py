@@ -11,6 +11,12 @@ renders alone does not transfer: on the shapes world it found the right caption 
 for 6% of their dVAE reconstructions, and its best-of-16 pick was worse than a random candidate. Given a dVAE
 (``dvae=``), a share ``recon_share`` of every batch is therefore replaced by its reconstruction (argmax codes,
 decoded): the images the prior's tokens can show.
+
+Given ``negatives`` (a callable from a caption to a caption its image cannot match, such as the shapes world's
+:class:`~dalle_lightning.world.negatives.NegativeCaptions`), each image also meets its own hard negative: the
+loss adds ``negative_weight`` times the cross-entropy of each image over the batch's captions *and* their
+negatives (NegCLIP). In-batch captions differ from the true one in many details, the candidates a reranker
+chooses among in one or two; ``val/neg_acc`` is the share of images scored above their negative.
 """
 
 from __future__ import annotations
@@ -50,12 +56,17 @@ class ClipModule(L.LightningModule):
         scheduler: SchedulerFactory | None = None,
         dvae: nn.Module | str | Path | None = None,
         recon_share: float = 0.5,
+        negatives: Callable[[str], str] | None = None,
+        negative_weight: float = 1.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= recon_share <= 1.0:
             raise ValueError(f"recon_share={recon_share}; expected a share of the batch in [0, 1]")
+        if negative_weight < 0:
+            raise ValueError(f"negative_weight={negative_weight}; expected a weight >= 0")
         self.model = model
         self.recon_share = recon_share
+        self.negatives, self.negative_weight = negatives, negative_weight
         # A plain list keeps the frozen dVAE out of the state dict and the optimizer: only CLIP is trained and saved.
         self._dvae: list[nn.Module] = []
         if dvae is not None:
@@ -109,9 +120,27 @@ class ClipModule(L.LightningModule):
         recon = recon.contiguous()  # back to NCHW, like the clean rows it joins
         return torch.cat([recon, images[k:]])
 
+    def hard_negative_loss(
+        self, image_features: torch.Tensor, text_features: torch.Tensor, captions: list[str], logit_scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-entropy of each (local) image over the local captions plus one negative per caption, and the share
+        of images scored above their own negative. Local rows only, so it needs no gather across processes."""
+        assert self.negatives is not None
+        negative_features = self.model.encode_text(self.tokenize([self.negatives(c) for c in captions]), normalize=True)
+        logits = logit_scale * image_features @ torch.cat([text_features, negative_features]).T
+        target = torch.arange(logits.shape[0], device=logits.device)
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        with torch.no_grad():
+            above = ((image_features * text_features).sum(1) > (image_features * negative_features).sum(1)).float().mean()
+        return loss, above
+
     def _shared_step(self, batch: dict[str, Any], stage: str) -> torch.Tensor:
         image_features, text_features, logit_scale = self(self.with_reconstructions(batch["image"]), batch["text"])
         loss = self.loss_fn(image_features, text_features, logit_scale)
+        if self.negatives is not None:
+            neg_loss, neg_acc = self.hard_negative_loss(image_features, text_features, batch["text"], logit_scale)
+            loss = loss + self.negative_weight * neg_loss
+            self.log(f"{stage}/neg_acc", neg_acc, prog_bar=True, batch_size=len(batch["text"]), sync_dist=stage != "train")
         with torch.no_grad():
             # In-batch retrieval accuracy: does each image's most similar caption belong to it?
             sims = image_features @ text_features.T
