@@ -219,9 +219,10 @@ def test_hard_negative_loss_is_cross_entropy_over_captions_and_their_negatives()
     # Reference: open_clip's own text tower on the caption list and on the negatives, one logit row per image.
     tok = clip_models.tokenizer_for(module.model)
     texts = module.model.encode_text(tok(captions + [negative[c] for c in captions]), normalize=True)
-    logits = scale * image_features @ texts.T
+    full = scale * image_features @ texts.T  # [6, 12]: captions, then negatives
+    logits = torch.cat([full[:, :6], full[torch.arange(6), torch.arange(6, 12)][:, None]], dim=1)  # own negative only
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, torch.arange(6)))
-    expected_above = (logits.diagonal() > logits[torch.arange(6), torch.arange(6, 12)]).float().mean()
+    expected_above = (full.diagonal() > full[torch.arange(6), torch.arange(6, 12)]).float().mean()
     torch.testing.assert_close(above, expected_above)
     with pytest.raises(ValueError, match="negative_weight=-1"):
         ClipModule(clip_models.create(), optimizer=torch.optim.AdamW, negative_weight=-1)

@@ -51,3 +51,7 @@ def test_format_inverts_parse_and_callable_is_seeded(scenes) -> None:
     assert [NegativeCaptions(3)(c) for c in captions] == [NegativeCaptions(3)(c) for c in captions]
     with pytest.raises(ValueError, match="not in the shapes-world grammar"):
         negative_caption("a teal hexagon", random.Random(0))
+    with pytest.raises(ValueError, match="module.negatives=null"):
+        NegativeCaptions(0)("a photo of a dog")
+    with pytest.raises(ValueError, match="held-out"):
+        negative_caption("a green circle below a green circle", random.Random(0))

@@ -14,8 +14,8 @@ decoded): the images the prior's tokens can show.
 
 Given ``negatives`` (a callable from a caption to a caption its image cannot match, such as the shapes world's
 :class:`~dalle_lightning.world.negatives.NegativeCaptions`), each image also meets its own hard negative: the
-loss adds ``negative_weight`` times the cross-entropy of each image over the batch's captions *and* their
-negatives (NegCLIP). In-batch captions differ from the true one in many details, the candidates a reranker
+loss adds ``negative_weight`` times the cross-entropy of each image over the batch's captions plus its own
+negative (as NegCLIP, but without the other images' negatives, which may describe this image). In-batch captions differ from the true one in many details, the candidates a reranker
 chooses among in one or two; ``val/neg_acc`` is the share of images scored above their negative.
 """
 
@@ -123,15 +123,17 @@ class ClipModule(L.LightningModule):
     def hard_negative_loss(
         self, image_features: torch.Tensor, text_features: torch.Tensor, captions: list[str], logit_scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-entropy of each (local) image over the local captions plus one negative per caption, and the share
-        of images scored above their own negative. Local rows only, so it needs no gather across processes."""
+        """Cross-entropy of each (local) image over the local captions plus its own negative caption, and the share
+        of images scored above that negative. Local rows only, so it needs no gather across processes."""
         assert self.negatives is not None
         negative_features = self.model.encode_text(self.tokenize([self.negatives(c) for c in captions]), normalize=True)
-        logits = logit_scale * image_features @ torch.cat([text_features, negative_features]).T
+        # Only its own negative joins each image's row: another caption's negative may well describe this image.
+        own_negative = (image_features * negative_features).sum(1, keepdim=True)
+        logits = logit_scale * torch.cat([image_features @ text_features.T, own_negative], dim=1)
         target = torch.arange(logits.shape[0], device=logits.device)
         loss = torch.nn.functional.cross_entropy(logits, target)
         with torch.no_grad():
-            above = ((image_features * text_features).sum(1) > (image_features * negative_features).sum(1)).float().mean()
+            above = ((image_features * text_features).sum(1) > own_negative[:, 0]).float().mean()
         return loss, above
 
     def _shared_step(self, batch: dict[str, Any], stage: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ the ``N x N`` square:
 
 - ``row`` and ``conv`` (*band* attention): the raster sequence is cut into rows of ``width`` tokens; query row
   ``r`` meets key rows ``r - nb .. r`` only (``nb = 1`` for the default row window, ``kernel // 2`` for conv),
-  built as a strided ``unfold`` view. Cost ``N * (nb + 1) * width`` instead of ``N^2``.
+  built from ``nb + 1`` shifted slices of the key rows (``_bands``). Cost ``N * (nb + 1) * width`` instead of ``N^2``.
 - ``column``: the grid is transposed (as the paper does) so each column is a short causal sequence of ``height``
   tokens. Cost ``N * height``.
 

@@ -73,9 +73,8 @@ def _candidates(spec: CaptionSpec) -> list[CaptionSpec]:
     return out
 
 
-def _count_negatives(spec: CaptionSpec, rng: random.Random) -> CaptionSpec:
-    if spec.relation is not None:
-        return CaptionSpec(objects=spec.objects[:1], relation=None, template=spec.template)
+def _added_object(spec: CaptionSpec, rng: random.Random) -> CaptionSpec:
+    """A one-object caption with a second, seen object in a random relation to the first."""
     while True:
         extra = CaptionObject(rng.choice(list(COLOURS)), rng.choice(SHAPES), None)
         if _seen(extra):
@@ -87,14 +86,17 @@ def negative_caption(caption: str, rng: random.Random) -> str:
 
     The kind of edit is drawn first (uniformly among those the caption allows), then the edit itself, so a
     two-object caption is not dominated by its many colour edits. ``ValueError`` if ``caption`` is not in the
-    world's grammar.
+    world's grammar, or if every edit would keep a held-out pair (meant for training captions, which have none).
     """
     spec = parse_caption(caption)
     by_kind: dict[str, list[CaptionSpec]] = {k: [] for k in EDITS}
     for neg in _candidates(spec):
         by_kind[edit_kind(spec, neg)].append(neg)
-    by_kind["count"] = [_count_negatives(spec, rng)]
+    if spec.relation is None and _seen(spec.objects[0]):  # two objects: dropping one is among the candidates
+        by_kind["count"] = [_added_object(spec, rng)]
     kinds = [k for k in EDITS if by_kind[k]]
+    if not kinds:
+        raise ValueError(f"caption {caption!r} has no one-edit negative free of held-out colour-shape pairs")
     return format_caption(rng.choice(by_kind[rng.choice(kinds)]))
 
 
@@ -118,4 +120,7 @@ class NegativeCaptions:
         self.rng = random.Random(seed)
 
     def __call__(self, caption: str) -> str:
-        return negative_caption(caption, self.rng)
+        try:
+            return negative_caption(caption, self.rng)
+        except ValueError as err:
+            raise ValueError(f"{err}; hard negatives need shapes-world captions (module.negatives=null for other data)") from None
