@@ -133,7 +133,7 @@ class ClipModule(L.LightningModule):
         target = torch.arange(logits.shape[0], device=logits.device)
         loss = torch.nn.functional.cross_entropy(logits, target)
         with torch.no_grad():
-            above = ((image_features * text_features).sum(1) > own_negative[:, 0]).float().mean()
+            above = (logits.diagonal() > logits[:, -1]).float().mean()  # own caption vs own negative
         return loss, above
 
     def _shared_step(self, batch: dict[str, Any], stage: str) -> torch.Tensor:

@@ -81,14 +81,14 @@ def _added_object(spec: CaptionSpec, rng: random.Random) -> CaptionSpec:
             return CaptionSpec(objects=(spec.objects[0], extra), relation=rng.choice(RELATIONS), template=spec.template)
 
 
-def negative_caption(caption: str, rng: random.Random) -> str:
+def negative_caption(caption: str | CaptionSpec, rng: random.Random) -> str:
     """A caption one edit away from ``caption`` that its image cannot match.
 
     The kind of edit is drawn first (uniformly among those the caption allows), then the edit itself, so a
     two-object caption is not dominated by its many colour edits. ``ValueError`` if ``caption`` is not in the
     world's grammar, or if every edit would keep a held-out pair (meant for training captions, which have none).
     """
-    spec = parse_caption(caption)
+    spec = parse_caption(caption) if isinstance(caption, str) else caption
     by_kind: dict[str, list[CaptionSpec]] = {k: [] for k in EDITS}
     for neg in _candidates(spec):
         by_kind[edit_kind(spec, neg)].append(neg)
@@ -96,7 +96,7 @@ def negative_caption(caption: str, rng: random.Random) -> str:
         by_kind["count"] = [_added_object(spec, rng)]
     kinds = [k for k in EDITS if by_kind[k]]
     if not kinds:
-        raise ValueError(f"caption {caption!r} has no one-edit negative free of held-out colour-shape pairs")
+        raise ValueError(f"caption {format_caption(spec)!r} has no one-edit negative free of held-out colour-shape pairs")
     return format_caption(rng.choice(by_kind[rng.choice(kinds)]))
 
 
@@ -121,6 +121,7 @@ class NegativeCaptions:
 
     def __call__(self, caption: str) -> str:
         try:
-            return negative_caption(caption, self.rng)
+            spec = parse_caption(caption)
         except ValueError as err:
             raise ValueError(f"{err}; hard negatives need shapes-world captions (module.negatives=null for other data)") from None
+        return negative_caption(spec, self.rng)
