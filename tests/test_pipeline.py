@@ -8,6 +8,7 @@ point here; the demo reports quality).
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,12 @@ def test_every_stage_runs_from_the_command_line(tiny_world: Path) -> None:
 
     run_app(encode.main, work, "batch_size=32")
     assert sorted(p.name for p in (tiny_world / "tokens").iterdir()) == ["train", "val"]
+    shards = sorted((tiny_world / "tokens").glob("*/*.tar"))
+    first = [p.read_bytes() for p in shards]
+    with tarfile.open(shards[0]) as tar:
+        assert all(m.mtime == 0 and not m.pax_headers for m in tar.getmembers())  # one header per member
+    run_app(encode.main, work, "batch_size=32", "force=true")
+    assert [p.read_bytes() for p in shards] == first  # token shards are reproducible byte for byte
 
     run_app(train.main, "stage=clip", work, "trainer.fast_dev_run=true", "data.batch_size=8", "data.num_workers=0", *quiet)
     run_app(train.main, "stage=clip", work, "trainer.max_steps=2", "data.batch_size=8", "data.num_workers=0", *quiet)

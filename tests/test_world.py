@@ -217,6 +217,7 @@ def test_write_world_is_deterministic_and_splits_are_independent(tmp_path: Path)
         members = tar.getmembers()
     assert [m.name for m in members[:3]] == ["000000.json", "000000.png", "000000.txt"]
     assert {m.mtime for m in members} == {0}
+    assert all(not m.pax_headers for m in members)  # one header per member: a float mtime would add a PAX one
 
 
 def test_shards_read_back_with_webdataset(tmp_path: Path) -> None:
