@@ -15,8 +15,9 @@ decoded): the images the prior's tokens can show.
 Given ``negatives`` (a callable from a caption to a caption its image cannot match, such as the shapes world's
 :class:`~dalle_lightning.world.negatives.NegativeCaptions`), each image also meets its own hard negative: the
 loss adds ``negative_weight`` times the cross-entropy of each image over the batch's captions plus its own
-negative (as NegCLIP, but without the other images' negatives, which may describe this image). In-batch captions differ from the true one in many details, the candidates a reranker
-chooses among in one or two; ``val/neg_acc`` is the share of images scored above their negative.
+negative (as NegCLIP, but without the other images' negatives, which may describe this image). In-batch
+captions differ from the true one in many details, the candidates a reranker chooses among in one or two;
+``val/neg_acc`` is the share of images scored above their negative.
 """
 
 from __future__ import annotations

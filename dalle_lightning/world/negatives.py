@@ -43,33 +43,33 @@ def _interchangeable(a: CaptionObject, b: CaptionObject) -> bool:
     return a.colour == b.colour and a.shape == b.shape and (a.size is None or b.size is None or a.size == b.size)
 
 
-def _candidates(spec: CaptionSpec) -> list[CaptionSpec]:
-    """Every one-edit negative of ``spec`` that names no held-out pair."""
-    objs, out = list(spec.objects), []
+def _candidates(spec: CaptionSpec) -> dict[str, list[CaptionSpec]]:
+    """Every one-edit negative of ``spec`` that names no held-out pair, by kind of edit (:data:`EDITS`)."""
+    objs, out = list(spec.objects), {k: [] for k in EDITS}
 
-    def with_objects(new: list[CaptionObject], relation: str | None = spec.relation) -> None:
+    def with_objects(kind: str, new: list[CaptionObject], relation: str | None = spec.relation) -> None:
         if all(_seen(o) for o in new):
-            out.append(CaptionSpec(objects=tuple(new), relation=relation, template=spec.template))
+            out[kind].append(CaptionSpec(objects=tuple(new), relation=relation, template=spec.template))
 
     for i, o in enumerate(objs):
         for colour in COLOURS:
             if colour != o.colour:
-                with_objects(objs[:i] + [CaptionObject(colour, o.shape, o.size)] + objs[i + 1 :])
+                with_objects("colour", objs[:i] + [CaptionObject(colour, o.shape, o.size)] + objs[i + 1 :])
         for shape in SHAPES:
             if shape != o.shape:
-                with_objects(objs[:i] + [CaptionObject(o.colour, shape, o.size)] + objs[i + 1 :])
+                with_objects("shape", objs[:i] + [CaptionObject(o.colour, shape, o.size)] + objs[i + 1 :])
         if o.size is not None:
             flipped = "large" if o.size == "small" else "small"
-            with_objects(objs[:i] + [CaptionObject(o.colour, o.shape, flipped)] + objs[i + 1 :])
+            with_objects("size", objs[:i] + [CaptionObject(o.colour, o.shape, flipped)] + objs[i + 1 :])
     if spec.relation is not None:
         a, b = objs
         if not _interchangeable(a, b):
-            with_objects(objs, OPPOSITE[spec.relation])
+            with_objects("relation", objs, OPPOSITE[spec.relation])
         if a.colour != b.colour:
-            with_objects([CaptionObject(b.colour, a.shape, a.size), CaptionObject(a.colour, b.shape, b.size)])
+            with_objects("swap", [CaptionObject(b.colour, a.shape, a.size), CaptionObject(a.colour, b.shape, b.size)])
         if a.shape != b.shape:
-            with_objects([CaptionObject(a.colour, b.shape, a.size), CaptionObject(b.colour, a.shape, b.size)])
-        with_objects([a], None)
+            with_objects("swap", [CaptionObject(a.colour, b.shape, a.size), CaptionObject(b.colour, a.shape, b.size)])
+        with_objects("count", [a], None)
     return out
 
 
@@ -89,10 +89,8 @@ def negative_caption(caption: str | CaptionSpec, rng: random.Random) -> str:
     world's grammar, or if every edit would keep a held-out pair (meant for training captions, which have none).
     """
     spec = parse_caption(caption) if isinstance(caption, str) else caption
-    by_kind: dict[str, list[CaptionSpec]] = {k: [] for k in EDITS}
-    for neg in _candidates(spec):
-        by_kind[edit_kind(spec, neg)].append(neg)
-    if spec.relation is None and _seen(spec.objects[0]):  # two objects: dropping one is among the candidates
+    by_kind = _candidates(spec)
+    if spec.relation is None and _seen(spec.objects[0]):  # (two-object captions drop one object instead)
         by_kind["count"] = [_added_object(spec, rng)]
     kinds = [k for k in EDITS if by_kind[k]]
     if not kinds:
@@ -101,7 +99,7 @@ def negative_caption(caption: str | CaptionSpec, rng: random.Random) -> str:
 
 
 def edit_kind(spec: CaptionSpec, neg: CaptionSpec) -> str:
-    """Which of :data:`EDITS` turns ``spec`` into ``neg`` (both one edit apart)."""
+    """Which of :data:`EDITS` turns ``spec`` into ``neg`` (both one edit apart), read off the two captions."""
     if len(neg.objects) != len(spec.objects):
         return "count"
     if neg.relation != spec.relation:
