@@ -83,6 +83,11 @@ def _dense_mask(layout: AttentionLayout, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
+def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+@functools.lru_cache(maxsize=64)
 def band_tables(layout: AttentionLayout, device: torch.device) -> tuple[int, torch.Tensor]:
     """``(nb, mask[height, width, n_text + (nb + 1) * width])`` for band attention, derived from the dense mask.
 
@@ -138,8 +143,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     against 1.2 ms for these few matmuls, which made it 20% of a demo prior step)."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    length = q.shape[-2]
-    return _written_out(q, k, v, torch.ones(length, length, dtype=torch.bool, device=q.device).tril())
+    return _written_out(q, k, v, _causal_mask(q.shape[-2], q.device))
 
 
 def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
