@@ -40,6 +40,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
 from callbacks.contrastive import ContrastiveScore
+from callbacks.sharding import full_parameters
 
 INCEPTION_DIM = 2048
 
@@ -272,7 +273,7 @@ class FIDCallback(pl.Callback):
         remaining = self._quota(trainer) - self._held
         if not self._active or dataloader_idx != 0 or remaining <= 0:
             return
-        with torch.no_grad():
+        with torch.no_grad(), full_parameters(trainer):  # sampling reaches the model outside its forward
             self._held += self.update(pl_module, _take(batch, remaining))
 
     def compute(self) -> dict[str, float]:

@@ -18,6 +18,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torchvision.utils import make_grid, save_image
 from typing_extensions import override
 
+from callbacks.sharding import full_parameters
+
 
 def _images_of(batch: Any, key: str) -> torch.Tensor:
     if isinstance(batch, dict):
@@ -96,8 +98,8 @@ class ReconstructionGrid(pl.Callback):
             return
         originals = torch.cat(self._images).float().clamp(0, 1)
         self._images = []
-        # Every rank reconstructs (a sharded model needs all ranks in its forward); only rank zero writes.
-        with torch.no_grad():
+        # Every rank reconstructs (a sharded model gathers its parameters on all ranks); only rank zero writes.
+        with torch.no_grad(), full_parameters(trainer):
             recon = pl_module.reconstruct(originals.to(pl_module.device))
         recon = recon.detach().float().cpu().clamp(0, 1)
         if recon.shape != originals.shape:

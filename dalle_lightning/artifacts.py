@@ -32,10 +32,17 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
-def save_model(path: str | Path, config: DictConfig | dict, model: nn.Module, meta: dict | None = None) -> Path:
-    """Save ``model``'s weights with the ``_target_`` config that rebuilds it."""
+def save_model(
+    path: str | Path,
+    config: DictConfig | dict,
+    model: nn.Module,
+    meta: dict | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Save ``model``'s weights (or ``state_dict``, e.g. gathered from shards) with the config that rebuilds it."""
     cfg = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    source = model.state_dict() if state_dict is None else state_dict
+    state = {k: v.detach().cpu().contiguous() for k, v in source.items()}
     return atomic_save({"config": cfg, "state_dict": state, "meta": meta or {}}, path)
 
 

@@ -98,6 +98,14 @@ def load_sharded(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(path / METADATA_FILENAME, weights_only=False)
 
 
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The small metadata of a sharded checkpoint (no tensors loaded): what the loader must prepare for."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
+    return torch.load(path / METADATA_FILENAME, weights_only=False)
+
+
 def export_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the full, unsharded state dict of a sharded module on CPU (non-empty on rank 0 only)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -143,6 +143,11 @@ class PowerSGD:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def replicas(self) -> int:
+        """Size of the averaging group (1 without a process group): how many copies of each shard exist."""
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
     def reduce(self, named_grads: Sequence[tuple[str, torch.Tensor]], uncompressed: Collection[str] = ()) -> bool:
         """Average each local gradient in place over ``group``; return False when the step must be skipped.
 
@@ -160,6 +165,12 @@ class PowerSGD:
             self.stats._record(0, 0)
             return False
 
+        if self.replicas == 1:
+            # Nobody to average with (one node): the gradients are already exact; compressing them would only
+            # add approximation error, and no byte crosses a node.
+            self.stats._record(0, 0)
+            self._step += 1
+            return True
         uncompressed_bytes = sum(g.numel() for _, g in named) * FP32_BYTES
         plain = self._step < self.start_step
         listed = set(uncompressed)
@@ -210,7 +221,7 @@ class PowerSGD:
     def _mean_all_reduce(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Mean of fp32 ``flat`` over ``group``, sent as ``dtype``. Low-precision buffers are divided by the
         world size before the sum and clamped to max/world, so that the sum cannot overflow the format."""
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        world = self.replicas
         if dtype == torch.float32:
             if world > 1:
                 dist.all_reduce(flat, group=self.group)

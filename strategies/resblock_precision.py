@@ -39,6 +39,7 @@ from strategies.protocol import find_resblocks, resolve_block_class
 from strategies.scale_rules import BlockScales, ScaleRules
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+GRADIENT_REDUCTION_ATTR = "gradient_reduction"  # "mean" (default) or "sum": how a strategy reduces gradients
 _LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 
 
@@ -55,7 +56,8 @@ class ResblockScalingPrecision(Precision):
         dtype: "fp16" or "bf16", the compute dtype inside residual branches.
         block_classes / block_patterns: which modules are resblocks (classes or dotted paths; fnmatch patterns on
             qualified names). Default: the model's ``resblocks()`` (see ``strategies/protocol.py``).
-        replicas: ``M``; default the strategy's data-parallel size (world size), 1 without a trainer.
+        replicas: ``M``; default derived from how the strategy reduces gradients: 1 where it averages them
+            (every Lightning strategy), its world size where it declares ``gradient_reduction = "sum"``.
         init_scale_log2, growth_factor, backoff_factor, cooldown, min_scale_log2, max_scale_log2: the paper's
             scale rules (see ``ScaleRules``).
         log_every_n_steps: how often per-block log2 scales go to the trainer's loggers; default the trainer's.
@@ -126,15 +128,22 @@ class ResblockScalingPrecision(Precision):
 
     @staticmethod
     def _infer_replicas(module: nn.Module) -> int:
+        """``M`` as the paper means it: how many times larger the reduced gradient is than one replica's.
+
+        The paper's range ``M * 2^7 .. M * 2^24`` is for gradients *summed* over ``M`` replicas. Lightning's
+        strategies (DDP, FSDP, ``ShardedPowerSGDStrategy``) and torch's DDP / FSDP *average* them, which keeps
+        gradient magnitudes independent of the replica count: there ``M`` is 1, or every scale would sit
+        log2(M) too high (10 powers of two at 1,024 GPUs). A strategy that sums declares it with the attribute
+        ``gradient_reduction = "sum"`` (protocol of this plugin); then ``M`` is its world size.
+        """
         trainer = getattr(module, "_trainer", None)
         strategy = getattr(trainer, "strategy", None)
-        for attr in ("data_parallel_size", "_data_parallel_size"):
-            value = getattr(strategy, attr, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        if strategy is not None:
-            return int(strategy.world_size)
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        reduction = getattr(strategy, GRADIENT_REDUCTION_ATTR, "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"{type(strategy).__name__}.{GRADIENT_REDUCTION_ATTR}={reduction!r}, expected 'mean' or 'sum'")
+        if reduction == "mean":
+            return 1
+        return int(strategy.world_size) if strategy is not None else 1
 
     @override
     def teardown(self) -> None:

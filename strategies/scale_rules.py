@@ -9,8 +9,12 @@ update attempt the scales move by these rules:
   updates; unflagged blocks keep their scale (one bad block must not drag the others down);
 - every exponent is clamped to ``[min_log2, max_log2]`` (2^7 .. 2^24 times ``M``).
 
-The cooldown counts update *attempts*, skipped ones included, so a block that keeps overflowing still backs off
-again after ``cooldown`` attempts instead of blocking training forever. Exponents (not scales) are stored, in
+The cooldown protects a scale that works: it stops a block that overflows now and then from backing off again
+and again within ``cooldown`` attempts while updates still get applied. It does not hold while training is
+stuck: if no update at all was applied since a block's last backoff (every attempt since then overflowed), the
+block backs off again at once. So a scale that starts too high falls by 1/sqrt(2) per attempt until an update
+goes through, as a global dynamic loss scaler recovers, instead of one step per ``cooldown`` attempts (which
+from 2^13 takes thousands of skipped updates to clear a few powers of two). Exponents (not scales) are stored, in
 float64, so a million growth steps of 0.001 do not drift and ``M`` may change on resume.
 
 Pure torch/python, no Lightning: the precision plugin owns one ``BlockScales`` and feeds it the flags.
@@ -70,6 +74,7 @@ class BlockScales:
         self.nonfinite_counts = torch.zeros(n, dtype=torch.int64)
         self.updates = 0  # update attempts so far (applied + skipped): the clock of the cooldown
         self.skipped = 0
+        self.last_applied = _NEVER  # attempt index of the last applied update
 
     def __len__(self) -> int:
         return len(self.names)
@@ -91,10 +96,13 @@ class BlockScales:
         step = not (bool(bad.any()) or other_nonfinite)
         if step:
             self.log2 += math.log2(rules.growth_factor)
+            self.last_applied = self.updates
         else:
             self.skipped += 1
             self.nonfinite_counts += bad.to(torch.int64)
-            may = bad & (self.updates - self.last_backoff >= rules.cooldown)
+            cooled = self.updates - self.last_backoff >= rules.cooldown
+            stuck = self.last_backoff > self.last_applied  # nothing applied since this block's last backoff
+            may = bad & (cooled | stuck)
             self.log2[may] += math.log2(rules.backoff_factor)
             self.last_backoff[may] = self.updates
         self.log2.clamp_(rules.min_log2, rules.max_log2)
@@ -110,6 +118,7 @@ class BlockScales:
             "nonfinite_counts": self.nonfinite_counts.tolist(),
             "updates": self.updates,
             "skipped": self.skipped,
+            "last_applied": self.last_applied,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -123,3 +132,4 @@ class BlockScales:
         self.nonfinite_counts = torch.tensor(state["nonfinite_counts"], dtype=torch.int64)
         self.updates = int(state["updates"])
         self.skipped = int(state["skipped"])
+        self.last_applied = int(state.get("last_applied", self.updates - 1))

@@ -46,10 +46,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from strategies.dcp_checkpoint import export_full_state_dict, load_sharded, pack, rank_key, save_sharded, unpack
+from strategies.dcp_checkpoint import (
+    export_full_state_dict,
+    load_sharded,
+    pack,
+    rank_key,
+    read_metadata,
+    save_sharded,
+    unpack,
+)
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
@@ -61,6 +70,7 @@ if TYPE_CHECKING:
 
 STRATEGY_NAME = "sharded_powersgd"
 POWERSGD_KEY = "powersgd"
+SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
 
 
 class ShardedRoot(nn.Module):
@@ -100,6 +110,23 @@ def embedding_param_names(module: nn.Module) -> set[str]:
     }
 
 
+def prepare_for_sharding(module: nn.Module) -> set[nn.Parameter]:
+    """Convert what FSDP2 cannot shard at the boundary; return the parameters it must leave alone.
+
+    * Parameters in another memory format (channels-last convolution weights, which FSDP2 refuses as
+      non-contiguous) are made contiguous. The activations keep their format: a convolution with a
+      channels-last input still runs channels-last, and FSDP2 all-gathers every weight into a contiguous
+      buffer anyway. Single-process runs never come here and keep channels-last weights.
+    * Scalar (0-d) parameters, such as CLIP's ``logit_scale``, cannot be sharded on dim 0: they stay whole on
+      every rank (``ignored_params``) and the strategy averages their gradients over all ranks itself.
+    """
+    with torch.no_grad():
+        for p in module.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+    return {p for p in module.parameters() if p.dim() == 0}
+
+
 def shard_module(
     module: nn.Module,
     blocks: Sequence[nn.Module],
@@ -112,12 +139,13 @@ def shard_module(
 ) -> ShardedRoot:
     """Make each block an FSDP2 unit on the 1-D ``mesh`` (bottom-up), then wrap ``module`` in the root unit."""
     policy = mp_policy or MixedPrecisionPolicy()
+    ignored = prepare_for_sharding(module)
     for block in blocks:
         if activation_checkpointing:
             checkpoint_activations(block)  # hook-based: keeps parameter names unchanged
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
     root = ShardedRoot(module)
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     apply_prefetch(list(blocks), prefetch_depth)  # type: ignore[arg-type]
     return root
 
@@ -144,6 +172,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
     """
 
     strategy_name = STRATEGY_NAME
+    # Gradients are averaged (FSDP's reduce-scatter, then PowerSGD's mean), never summed: the precision plugin
+    # reads this to set the paper's M (see ``ResblockScalingPrecision``).
+    gradient_reduction = "mean"
 
     def __init__(
         self,
@@ -189,6 +220,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         )
         self.powersgd: PowerSGD | None = None
         self.block_names: list[str] = []
+        self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
+        self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
         self._sync_between_nodes = True
 
@@ -202,6 +235,11 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # As every Lightning strategy: select this rank's device first (``torch.cuda.set_device`` on CUDA), so
+        # ``devices=[2, 3]`` or an already initialised CUDA context cannot put two ranks on one GPU. The parent's
+        # setup_environment is skipped on purpose: it would build ModelParallelStrategy's own (TP) mesh.
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
         self._setup_distributed()
         backend = self._get_process_group_backend()
         per_node = self.devices_per_node or self.num_processes
@@ -222,6 +260,19 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.lightning_module is not None
         module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
+        if self._root is not None and self._root.module is module:
+            # A later stage of the same Trainer (``validate`` after ``fit``): the module is sharded already.
+            self.model = self._root
+        else:
+            self.model = self._root = self._shard(module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: nn.Module) -> ShardedRoot:
         blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
         self.block_names = [name for name, _ in blocks]
         self._uncompressed = embedding_param_names(module) | {
@@ -237,14 +288,34 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             mp_policy=self.mp_policy,
         )
         _materialize_distributed_module(root, self.root_device)
+        self._replicated = [p for p in module.parameters() if not hasattr(p, "to_local")]
         self._broadcast_replicas(module)
-        self.model = root
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        return root
+
+    @contextmanager
+    def full_parameters(self) -> Generator[None, None, None]:
+        """Collective: every parameter whole on every rank for the duration (protocol of ``callbacks/``).
+
+        For code that reaches a sharded model outside its ``forward`` (sampling with a key/value cache, a
+        decoder's ``decode`` method, image grids): FSDP2 only gathers a unit's parameters around its
+        ``forward``. Inside, no unit reshards after its forward; on exit every unit returns to its shards.
+        Memory: the whole model on every rank, as in a single-device run.
+        """
+        root = self.model
+        if not isinstance(root, FSDPModule):
+            yield None
+            return
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit in units:
+            unit.unshard()
+        try:
+            yield None
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self.reshard_after_forward and unit is not root, recurse=False)
 
     @torch.no_grad()
     def _broadcast_replicas(self, module: nn.Module) -> None:
@@ -255,11 +326,12 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         """
         replicate = self.device_mesh["replicate"]
         if replicate.size() > 1:
-            locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+            locals_ = [p.to_local() for p in module.parameters() if hasattr(p, "to_local")]
             _broadcast_flat(locals_, replicate.get_group())
-        buffers = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
-        if buffers and self.world_size > 1:
-            _broadcast_flat(buffers, None)
+        whole = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
+        whole += [p.data for p in self._replicated]  # parameters FSDP2 left whole: the same on every rank
+        if whole and self.world_size > 1:
+            _broadcast_flat(whole, None)
 
     # ------------------------------------------------------------------ the step
 
@@ -311,9 +383,12 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
         """
         assert self.powersgd is not None and self.lightning_module is not None
+        if not self._average_replicated():
+            return False
+        replicated = {id(p) for p in self._replicated}
         named = []
         for name, p in self.lightning_module.named_parameters():
-            if p.grad is None:
+            if p.grad is None or id(p) in replicated:
                 continue
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if local.numel():
@@ -321,6 +396,21 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         ok = self.powersgd.reduce(named, uncompressed=self._uncompressed)
         self._log_stats()
         return ok
+
+    @torch.no_grad()
+    def _average_replicated(self) -> bool:
+        """Average the gradients of the parameters FSDP2 left whole over every rank (one small all-reduce);
+        False if one is non-finite (the same answer on every rank, as the values are then equal)."""
+        grads = [p.grad for p in self._replicated if p.grad is not None]
+        if not grads:
+            return True
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if self.world_size > 1:
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view(g.shape))
+        return bool(torch.isfinite(flat).all())
 
     def _log_stats(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -368,6 +458,11 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
+        # Parameter-shaped state of other parts (a sharded EMA): keyed by parameter name, holding DTensors.
+        extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
+        for key in extras:
+            state[key] = checkpoint.pop(key)
+        checkpoint[SHARDED_EXTRAS_KEY] = extras
         state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
         save_sharded(path, state, checkpoint)
 
@@ -383,7 +478,13 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
         if optimizers:
             state[key] = b""
+        extras = read_metadata(path).get(SHARDED_EXTRAS_KEY, [])
+        params = dict(module.named_parameters())
+        for extra in extras:
+            state[extra] = {n: torch.empty_like(p.detach()) for n, p in params.items()}
         metadata = load_sharded(path, state)
+        for extra in extras:
+            metadata[extra] = state[extra]
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
         for idx, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
@@ -400,6 +501,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The sharded state was already loaded in load_checkpoint.
         pass
+
+
+def _holds_dtensors(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, DTensor) for v in value.values())
 
 
 def _broadcast_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:

@@ -394,7 +394,7 @@ def _fsdp2_grads(world_size: int, convert_first: bool) -> list[float]:
         plugin.convert_module(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     plugin.optimizer_step(opt, model, lambda: (_loss(model, x, y) * 1e-3).backward())
-    assert plugin.scales.replicas == world_size and plugin.scales.skipped == 0
+    assert plugin.scales.replicas == 1 and plugin.scales.skipped == 0  # FSDP averages: M = 1
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
     errors = []
     for block, ref in zip(model.blocks, reference.blocks):
@@ -433,8 +433,23 @@ def test_fsdp2_sharded_grads_and_ddp_ranks_skip_together() -> None:
     g = math.log2(2 ** (1 / 1000))
     for r in (r0, r1):
         assert max(max(e) for e in r["fsdp_errors"]) < 1e-2, r["fsdp_errors"]  # fp16 branches, unscaled shards
-        assert r["replicas"] == 2 and r["skipped"] == 1
+        assert r["replicas"] == 1 and r["skipped"] == 1  # DDP averages gradients: M = 1
         # Step 0 skipped on both ranks (block 1 backed off), step 1 applied (everyone grew once).
         assert r["log2"] == pytest.approx([13 + g, 12.5 + g, 13 + g, 13 + g])
         assert any(r["moved"])
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))  # replicas still identical
+
+
+@pytest.mark.parametrize(("reduction", "expected"), [(None, 1), ("mean", 1), ("sum", 4)])
+def test_replicas_follow_how_the_strategy_reduces_gradients(reduction: str | None, expected: int) -> None:
+    """The paper's M * 2^13 assumes gradients summed over M replicas; averaged ones (every Lightning strategy)
+    are M times smaller, so there M is 1. A strategy that sums says so with ``gradient_reduction = "sum"``."""
+    from types import SimpleNamespace
+
+    strategy = SimpleNamespace(world_size=4) if reduction is None else SimpleNamespace(world_size=4, gradient_reduction=reduction)
+    model = DeepResidual(depth=2, width=4)
+    model._trainer = SimpleNamespace(strategy=strategy)  # type: ignore[attr-defined]
+    plugin = ResblockScalingPrecision("bf16")
+    plugin.convert_module(model)
+    assert plugin.scales.replicas == expected
+    assert plugin.scales.scales()[0].item() == expected * 2.0**13

@@ -35,29 +35,47 @@ def test_growth_backoff_cooldown_clamp_scripted() -> None:
     script = [
         (_flags(), True, [1.25, 1.25, 1.25]),  # t0 finite: all grow
         (_flags(1), False, [1.25, 0.75, 1.25]),  # t1 b1 overflows: skip, only b1 backs off
-        (_flags(1), False, [1.25, 0.75, 1.25]),  # t2 b1 again, within cooldown (2-1 < 3): no second backoff
-        (_flags(0, 1), False, [0.75, 0.75, 1.25]),  # t3 b0 first backoff; b1 still cooling (3-1 < 3)
-        (_flags(1), False, [0.75, 0.25, 1.25]),  # t4 cooldown elapsed for b1 (4-1 >= 3): backs off
-        (_flags(1), False, [0.75, 0.25, 1.25]),  # t5 cooling
-        (_flags(), True, [1.0, 0.5, 1.5]),  # t6 finite
-        (_flags(), True, [1.25, 0.75, 1.75]),  # t7
-        (_flags(), True, [1.5, 1.0, 2.0]),  # t8 b2 reaches the max
-        (_flags(), True, [1.75, 1.25, 2.0]),  # t9 clamped at max_log2
-        (_flags(1), False, [1.75, 0.75, 2.0]),  # t10 b1 (last backoff t4, 6 >= 3)
-        (_flags(1), False, [1.75, 0.75, 2.0]),  # t11
-        (_flags(1), False, [1.75, 0.75, 2.0]),  # t12
-        (_flags(1), False, [1.75, 0.25, 2.0]),  # t13 (13-10 >= 3)
-        (_flags(1), False, [1.75, 0.25, 2.0]),  # t14
-        (_flags(1), False, [1.75, 0.25, 2.0]),  # t15
-        (_flags(1), False, [1.75, 0.0, 2.0]),  # t16 backoff to -0.25, clamped at min_log2 = 0
+        (_flags(), True, [1.5, 1.0, 1.5]),  # t2 finite: an update was applied since b1's backoff
+        (_flags(1), False, [1.5, 1.0, 1.5]),  # t3 b1 again, within cooldown (3-1 < 3) and not stuck: no backoff
+        (_flags(0, 1), False, [1.0, 0.5, 1.5]),  # t4 b0 first backoff; b1 cooled (4-1 >= 3)
+        (_flags(1), False, [1.0, 0.0, 1.5]),  # t5 b1 within cooldown but stuck (nothing applied since t4): backs off
+        (_flags(1), False, [1.0, 0.0, 1.5]),  # t6 stuck again: -0.5, clamped at min_log2 = 0
+        (_flags(), True, [1.25, 0.25, 1.75]),  # t7 finite
+        (_flags(), True, [1.5, 0.5, 2.0]),  # t8 b2 reaches the max
+        (_flags(), True, [1.75, 0.75, 2.0]),  # t9 clamped at max_log2
+        (_flags(1), False, [1.75, 0.25, 2.0]),  # t10 b1 (last backoff t6, 4 >= 3)
+        (_flags(), True, [2.0, 0.5, 2.0]),  # t11 finite
+        (_flags(1), False, [2.0, 0.5, 2.0]),  # t12 cooling (12-10 < 3) and not stuck
+        (_flags(1), False, [2.0, 0.0, 2.0]),  # t13 cooled (13-10 >= 3)
     ]
     for t, (flags, step, expected) in enumerate(script):
         assert s.update(flags) is step, f"attempt {t}"
         assert s.log2.tolist() == pytest.approx(expected), f"attempt {t}"
     assert s.updates == len(script)
     assert s.skipped == sum(not step for _, step, _ in script)
-    assert s.nonfinite_counts.tolist() == [1, 12, 0]
-    assert s.scales().tolist() == pytest.approx([2**1.75, 1.0, 4.0])
+    assert s.nonfinite_counts.tolist() == [1, 8, 0]
+    assert s.scales().tolist() == pytest.approx([4.0, 1.0, 4.0])
+
+
+def test_a_scale_that_starts_too_high_recovers_without_waiting_for_the_cooldown() -> None:
+    """Gradients that overflow at any scale above 2^8: the paper's rules with the default cooldown of 125.
+
+    Consecutive overflows with no applied update back off at every attempt, so training resumes after
+    (13 - 8) / 0.5 = 10 skipped attempts; with the cooldown counted through them it would take 10 x 125.
+    """
+    s = BlockScales(["a", "b"])
+    applied_at = None
+    for attempt in range(40):
+        if s.update(s.log2 > 8.0):
+            applied_at = attempt
+            break
+    assert applied_at == 10 and s.skipped == 10
+    assert s.log2.tolist() == pytest.approx([8.001, 8.001], abs=1e-9)
+    # In the steady state the cooldown holds again: occasional overflows skip their update but back off no scale
+    # within 125 attempts of the last backoff.
+    for attempt in range(50):
+        s.update(torch.tensor([attempt % 10 == 0, False]))
+    assert s.log2.tolist() == pytest.approx([8.001 + 0.045] * 2, abs=1e-9)
 
 
 def test_non_block_nonfinite_skips_without_backoff() -> None:
@@ -74,13 +92,14 @@ def test_paper_growth_doubles_in_a_thousand_updates() -> None:
 
 
 def test_state_dict_round_trip_continues_cooldown() -> None:
-    rules = ScaleRules(cooldown=2)
+    rules = ScaleRules(cooldown=3)
     a = BlockScales(["x", "y"], rules)
     a.update(_flags(0, n=2))
+    a.update(_flags(n=2))
     b = BlockScales(["x", "y"], rules)
     b.load_state_dict(a.state_dict())
     assert b.update(_flags(0, n=2)) is False
-    assert b.log2[0].item() == pytest.approx(13 - 0.5)  # second overflow 1 attempt later: still cooling down
+    assert b.log2[0].item() == pytest.approx(13 - 0.5 + 0.001)  # second overflow 2 attempts later: still cooling down
     a.update(_flags(0, n=2))
     assert b.state_dict() == a.state_dict()
 

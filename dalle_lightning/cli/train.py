@@ -84,10 +84,24 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
         trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
-    if trainer.is_global_zero and not cfg.trainer.fast_dev_run:
-        save_model(cfg.output, cfg.model, model, meta=model_meta(cfg.stage.name, model))
-        log.info("%s written to %s", cfg.stage.name, cfg.output)
+    if not cfg.trainer.fast_dev_run:
+        state = model_state_dict(trainer, module, model)  # collective under a sharding strategy: every rank calls
+        if trainer.is_global_zero:
+            save_model(cfg.output, cfg.model, model, meta=model_meta(cfg.stage.name, model), state_dict=state)
+            log.info("%s written to %s", cfg.stage.name, cfg.output)
     return metrics
+
+
+def model_state_dict(trainer: pl.Trainer, module: pl.LightningModule, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained model's full, unsharded state dict on CPU (complete on rank 0).
+
+    A strategy that shards parameters offers ``full_state_dict()`` (a collective returning the LightningModule's
+    state with whole tensors); the model's entries are those under its attribute name in the module."""
+    export = getattr(trainer.strategy, "full_state_dict", None)
+    if not callable(export):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    prefix = next(name for name, child in module.named_children() if child is model) + "."
+    return {k[len(prefix):]: v for k, v in export().items() if k.startswith(prefix)}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -39,30 +39,71 @@ class SkipCounter(Counter):
         log.warning("skipped sample %s: %s (%d skipped for this reason so far)", key, reason, self[reason])
 
 
+RANK_SPLITS = ("samples", "shards")
+
+
 class ShardStream(IterableDataset):
-    """One pass over this consumer's shards: tar members grouped into samples, shuffled, decoded.
+    """One pass over this consumer's part of the shards: tar members grouped into samples, shuffled, decoded.
 
     ``epoch`` reseeds shard and sample shuffling so each epoch has a new order, identical across reruns.
+
+    ``split`` says how ranks (and loader workers) share the data:
+
+    - ``"samples"``: every consumer reads the same shuffled stream and keeps its own sample of each complete
+      group of ``consumers`` samples. Every rank yields exactly as many samples, hence as many batches, which
+      distributed training needs: a rank that runs out first would leave the others waiting in a collective
+      (every sharded forward is one). A sample that fails to decode is replaced by this consumer's previous
+      good one (and counted), so the counts stay equal. Costs reading every shard on every rank: right for
+      small sets and few ranks.
+    - ``"shards"``: each consumer reads its own shards (``split_for``): sequential reads of disjoint data, for
+      large corpora. The shards must hold equal numbers of usable samples per rank, or ranks fall out of step.
     """
 
-    def __init__(self, urls: list[str], decode: Any, rank: int, world_size: int, shuffle: int, seed: int) -> None:
+    def __init__(self, urls: list[str], decode: Any, rank: int, world_size: int, shuffle: int, seed: int,
+                 split: str = "samples") -> None:
         super().__init__()
+        if split not in RANK_SPLITS:
+            raise ValueError(f"rank_split={split!r}; expected one of {RANK_SPLITS}")
         self.urls, self.decode, self.rank, self.world_size = urls, decode, rank, world_size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.split = shuffle, seed, 0, split
+        self.replaced = 0  # undecodable samples stood in for by the previous good one ("samples" split)
+
+    def _consumer(self) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self.rank * workers + worker, self.world_size * workers
 
     def __iter__(self):
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         urls = list(self.urls)
         if self.shuffle:
             rng.shuffle(urls)
-        mine = split_for(urls, self.rank, self.world_size)
+        consumer, consumers = self._consumer()
+        by_sample = self.split == "samples" and consumers > 1
+        mine = urls if by_sample else split_for(urls, self.rank, self.world_size)
         stream = wds.tarfile_samples([{"url": u} for u in mine], handler=wds.warn_and_continue)
         if self.shuffle:
             stream = wds.filters._shuffle(stream, self.shuffle, initial=min(100, self.shuffle), rng=rng)
+        if not by_sample:
+            for sample in stream:
+                out = self.decode(sample)
+                if out is not None:
+                    yield out
+            return
+        previous, group = None, []
         for sample in stream:
-            out = self.decode(sample)
-            if out is not None:
-                yield out
+            group.append(sample)
+            if len(group) < consumers:
+                continue  # a partial last group is dropped on every consumer alike
+            out = self.decode(group[consumer])
+            group = []
+            if out is None:
+                if previous is None:
+                    continue  # nothing to stand in yet (the first sample of the epoch is bad)
+                self.replaced += 1
+                out = previous
+            previous = out
+            yield out
 
 
 class WebDataModule(pl.LightningDataModule):
@@ -76,10 +117,14 @@ class WebDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         shuffle_buffer: int = 1000,
         seed: int = 0,
+        rank_split: str = "samples",
     ) -> None:
         super().__init__()
         if batch_size <= 0:
             raise ValueError(f"batch_size={batch_size} must be positive")
+        if rank_split not in RANK_SPLITS:
+            raise ValueError(f"rank_split={rank_split!r}; expected one of {RANK_SPLITS}")
+        self.rank_split = rank_split
         self.train_shards, self.val_shards = train_shards, val_shards
         self.batch_size, self.num_workers = batch_size, num_workers
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
@@ -95,7 +140,7 @@ class WebDataModule(pl.LightningDataModule):
 
     def stream(self, shards: str | Sequence[str], shuffle: int) -> ShardStream:
         rank, world = self._rank()
-        return ShardStream(resolve_shards(shards), self.decode, rank, world, shuffle, self.seed)
+        return ShardStream(resolve_shards(shards), self.decode, rank, world, shuffle, self.seed, self.rank_split)
 
     @override
     def setup(self, stage: str) -> None:
@@ -184,7 +229,8 @@ class ImageTextDataModule(WebDataModule):
         if self.val_shards is None:
             return []
         rank, world = self._rank()
-        ds = ShardStream(resolve_shards(self.val_shards), lambda s: self.decode(s, train=False), rank, world, 0, self.seed)
+        ds = ShardStream(resolve_shards(self.val_shards), lambda s: self.decode(s, train=False), rank, world, 0, self.seed,
+                         self.rank_split)
         return self._loader(ds)
 
 
