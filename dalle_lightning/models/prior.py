@@ -97,7 +97,11 @@ class AttentionBranch(nn.Module):
         """One new image position ``pos`` (``x: [B, 1, d]``) against the cache: O(its mask row)."""
         q, k, v = self._qkv(x)
         kv.write(k, v, pos)
-        return self._out(decode_attention(q, kv.kv, self.layout, pos - self.layout.n_text))
+        assert kv.kv is not None
+        # The cache keeps the dtype of the prefill, which may have run under autocast (bf16 branches) while this
+        # call, not a forward, runs outside it: attend in the cache's dtype, project in the query's.
+        y = decode_attention(q.to(kv.kv.dtype), kv.kv, self.layout, pos - self.layout.n_text)
+        return self._out(y.to(q.dtype))
 
 
 class MlpBranch(nn.Module):
