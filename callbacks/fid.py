@@ -41,6 +41,7 @@ from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
+from callbacks.batches import take
 from callbacks.contrastive import ContrastiveScore
 from callbacks.inception import INCEPTION, inception_weights as find_inception_weights
 
@@ -156,19 +157,6 @@ def build_fid(feature_extractor: Any = None, feature_dim: int | None = None, inc
         raise ValueError("both feature_extractor and inception_weights given; expected one feature extractor")
     return FrechetInceptionDistance(feature=feature_module(feature_extractor, feature_dim, probe_size), normalize=True,
                                     **kwargs)
-
-
-def _take(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch (dict, tuple/list or tensor of per-sample entries)."""
-    if torch.is_tensor(batch):
-        return batch[:n]
-    if isinstance(batch, dict):
-        return {k: _take(v, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        if batch and all(isinstance(x, str) for x in batch):
-            return list(batch[:n])
-        return type(batch)(_take(v, n) for v in batch)
-    return batch
 
 
 class FIDCallback(pl.Callback):
@@ -288,7 +276,7 @@ class FIDCallback(pl.Callback):
         if not self._active or dataloader_idx != 0 or remaining <= 0:
             return
         with torch.no_grad():
-            self._held += self.update(pl_module, _take(batch, remaining))
+            self._held += self.update(pl_module, take(batch, remaining))
 
     def compute(self) -> dict[str, float]:
         """Values of all ranks' images together (a collective call: every rank must make it), then reset."""
