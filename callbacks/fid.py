@@ -13,23 +13,25 @@ Protocol: the LightningModule has
 FID is measured during validation, on the first ``num_images`` validation images (split evenly over ranks):
 at every ``every_n_epochs``-th validation epoch, or, when ``every_n_steps`` is set, at the first validation
 after each multiple of ``every_n_steps`` updates (match ``trainer.val_check_interval`` to it). Metric states
-are reset at every evaluation and synchronised across ranks by torchmetrics when computed, so the logged
-``val/fid`` is the FID of all ranks' images together.
+are reset at every evaluation and synchronised across ranks by torchmetrics when computed, so the logged value
+is the FID of all ranks' images together.
 
-Feature extractors (no download ever happens):
+An FID is only comparable with FIDs in the same feature space, so the metric is named after it:
+``val/fid_<features>``. Feature spaces (no download ever happens):
 
-- ``inception_weights="/path/pt_inception-2015-12-05.pth"``: the standard Inception-v3 (torchmetrics'
-  ``NoTrainInceptionV3``, needs ``torch-fidelity``), from that local file;
-- ``feature_extractor``: a module or callable ``images [B, 3, H, W] in [0, 1] -> features [B, D]``; an
-  open_clip model (anything with ``encode_image``) is wrapped by :class:`ClipImageFeatures`, and an object
-  with ``embed_images`` (``dalle_lightning.rerank.Reranker``) is used through that method. The project's
-  default is the image tower of its shapes CLIP, so the embedded configuration runs offline.
+- ``features="inception"``: the standard Inception-v3 of published FIDs (torchmetrics' ``NoTrainInceptionV3``,
+  needs ``torch-fidelity``), read from ``inception_weights`` or from torch's hub cache (see
+  :mod:`callbacks.inception`); any ``feature_extractor`` is then ignored;
+- ``feature_extractor``: a module or callable ``images [B, 3, H, W] in [0, 1] -> features [B, D]``, named by
+  ``features`` (``"custom"`` when unnamed); an open_clip model (anything with ``encode_image``) is wrapped by
+  :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.rerank.Reranker``) is used
+  through that method. The project's default is the image tower of its shapes CLIP (``features="shapes_clip"``),
+  so the embedded configuration runs offline, and Inception, which has never seen the shapes world, is a choice.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +41,9 @@ from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
+from callbacks.batches import take
 from callbacks.contrastive import ContrastiveScore
+from callbacks.inception import INCEPTION, inception_weights as find_inception_weights
 from callbacks.sharding import full_parameters
 
 INCEPTION_DIM = 2048
@@ -143,37 +147,24 @@ def feature_module(feature_extractor: Any, feature_dim: int | None = None, probe
 
 def build_fid(feature_extractor: Any = None, feature_dim: int | None = None, inception_weights: str | None = None,
               probe_size: int = 64, **kwargs: Any) -> FrechetInceptionDistance:
-    """A FrechetInceptionDistance on [0, 1] float images with the chosen features (never downloads weights).
-    ``kwargs`` go to torchmetrics (e.g. ``reset_real_features=False`` to keep a fixed reference set)."""
-    if inception_weights is not None:
-        if feature_extractor is not None:
-            raise ValueError("both feature_extractor and inception_weights given; expected one feature extractor")
-        if not os.path.isfile(inception_weights):
-            raise FileNotFoundError(f"Inception weights file {inception_weights!r} does not exist; expected a local .pth file")
-        return FrechetInceptionDistance(feature=feature_dim or INCEPTION_DIM, normalize=True,
-                                        feature_extractor_weights_path=inception_weights, **kwargs)
+    """A FrechetInceptionDistance on [0, 1] float images with the chosen features (never downloads weights):
+    ``feature_extractor``'s, or without one the standard Inception-v3 from ``inception_weights`` (default: torch's
+    hub cache). ``kwargs`` go to torchmetrics (e.g. ``reset_real_features=False`` to keep a fixed reference set)."""
     if feature_extractor is None:
-        raise ValueError("no FID feature extractor; expected feature_extractor (e.g. the shapes CLIP) or inception_weights")
+        return FrechetInceptionDistance(feature=feature_dim or INCEPTION_DIM, normalize=True,
+                                        feature_extractor_weights_path=find_inception_weights(inception_weights),
+                                        **kwargs)
+    if inception_weights is not None:
+        raise ValueError("both feature_extractor and inception_weights given; expected one feature extractor")
     return FrechetInceptionDistance(feature=feature_module(feature_extractor, feature_dim, probe_size), normalize=True,
                                     **kwargs)
 
 
-def _take(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch (dict, tuple/list or tensor of per-sample entries)."""
-    if torch.is_tensor(batch):
-        return batch[:n]
-    if isinstance(batch, dict):
-        return {k: _take(v, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        if batch and all(isinstance(x, str) for x in batch):
-            return list(batch[:n])
-        return type(batch)(_take(v, n) for v in batch)
-    return batch
-
-
 class FIDCallback(pl.Callback):
-    """Logs ``val/fid`` (and ``val/clip_score`` when ``clip_scorer`` is given) of generated vs real images.
+    """Logs ``val/fid_<features>`` (and ``val/clip_score`` when ``clip_scorer`` is given) of generated vs real images.
 
+    ``features`` names the feature space (see the module docstring): ``"inception"`` for the standard FID,
+    otherwise the name of ``feature_extractor``'s space (default ``"custom"``; the project's is ``"shapes_clip"``).
     ``every_n_steps``, when set, takes precedence over ``every_n_epochs``; ``num_images`` counts all ranks.
     ``clip_scorer`` is an object with ``score(images, captions)`` (e.g. the project's ``Reranker``) or a callable.
     """
@@ -184,6 +175,7 @@ class FIDCallback(pl.Callback):
         every_n_epochs: int | None = 1,
         num_images: int = 256,
         feature_extractor: Any = None,
+        features: str | None = None,
         feature_dim: int | None = None,
         inception_weights: str | None = None,
         clip_scorer: Any = None,
@@ -205,12 +197,23 @@ class FIDCallback(pl.Callback):
         self.image_key = image_key
         self.caption_key = caption_key
         self.prefix = prefix
+        self.features = features or (INCEPTION if feature_extractor is None else "custom")
+        if self.features == INCEPTION:
+            feature_extractor = None  # the standard network replaces a configured extractor
+        elif feature_extractor is None:
+            raise ValueError(f"features={self.features!r} but no feature_extractor; expected one for that feature "
+                             f"space, or features={INCEPTION!r}")
         self.fid = build_fid(feature_extractor, feature_dim, inception_weights, probe_size)
         self.clip_score = ContrastiveScore(clip_scorer) if clip_scorer is not None else None
         self._next_step = every_n_steps or 0
         self._active = False
         self._held = 0
-        self.last: dict[str, float] = {}  # the most recent values, e.g. {"val/fid": 12.3}
+        self.last: dict[str, float] = {}  # the most recent values, e.g. {"val/fid_inception": 12.3}
+
+    @property
+    def metric_name(self) -> str:
+        """The logged FID's name, e.g. ``val/fid_shapes_clip``: the value means nothing without its feature space."""
+        return f"{self.prefix}fid_{self.features}"
 
     def _metrics(self) -> list[Any]:
         return [m for m in (self.fid, self.clip_score) if m is not None]
@@ -274,12 +277,12 @@ class FIDCallback(pl.Callback):
         if not self._active or dataloader_idx != 0 or remaining <= 0:
             return
         with torch.no_grad(), full_parameters(trainer):  # sampling reaches the model outside its forward
-            self._held += self.update(pl_module, _take(batch, remaining))
+            self._held += self.update(pl_module, take(batch, remaining))
 
     def compute(self) -> dict[str, float]:
         """Values of all ranks' images together (a collective call: every rank must make it), then reset."""
         try:
-            out = {f"{self.prefix}fid": float(self.fid.compute())}
+            out = {self.metric_name: float(self.fid.compute())}
         except RuntimeError as exc:
             raise RuntimeError(f"FIDCallback could not compute FID (num_images={self.num_images}; are there "
                                f"validation batches?): {exc}") from exc

@@ -1,4 +1,4 @@
-"""Save (and log to TensorBoard) a grid of validation images over their reconstructions.
+"""Save (and log to every logger that takes images) a grid of validation images over their reconstructions.
 
 Protocol: the LightningModule has ``reconstruct(images) -> images``, both float [B, C, H, W] in [0, 1]. The
 callback keeps the first ``num_images`` validation images (from the ``"image"`` key of dict batches, the
@@ -14,10 +14,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from torchvision.utils import make_grid, save_image
 from typing_extensions import override
 
+from callbacks.log_image import log_image
 from callbacks.sharding import full_parameters
 
 
@@ -113,6 +113,4 @@ class ReconstructionGrid(pl.Callback):
         os.makedirs(dirpath, exist_ok=True)
         self.last_path = os.path.join(dirpath, f"recon_epoch{trainer.current_epoch}.png")
         save_image(grid, self.last_path)
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image(self.tag, grid, global_step=trainer.global_step)
+        log_image(trainer, self.tag, grid, caption="originals (odd rows) over reconstructions (even rows)")

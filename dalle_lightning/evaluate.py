@@ -7,8 +7,9 @@ N measures reranking alone, as in the paper's Figure 9.
 
 FID compares the best-of-N images with the world's own renders *of the same captions*, in the feature space
 of the reranker's image tower (the shapes CLIP; Inception knows nothing of this world and needs a download).
-With a few hundred images FID is biased upwards, so the report also gives ``reference_fid``: the FID between
-two independent sets of renders of the same size, the value a perfect generator would score.
+The report names it after that space, ``fid_shapes_clip``, so it is never read as the Inception FID of papers.
+With a few hundred images FID is biased upwards, so the report also gives ``reference_fid_shapes_clip``: the FID
+between two independent sets of renders of the same size, the value a perfect generator would score.
 The contrastive score is the mean cosine similarity of each best-of-N image with its caption.
 
 ``any_of_n`` is the share of captions for which at least one of the first N candidates matches: the accuracy a
@@ -28,6 +29,8 @@ from dalle_lightning.generate import Generation, Generator
 from dalle_lightning.world import Scene, caption_accuracy, render, sample_scene, sample_scenes
 from dalle_lightning.world.detect import match, summarize_matches
 from dalle_lightning.world.scene import split_rng
+
+FID_KEY = "fid_shapes_clip"  # report key of the FID in the shapes CLIP's image features
 
 
 def eval_scenes(seed: int, split: str, n: int) -> list[Scene]:
@@ -85,10 +88,10 @@ def evaluate_split(gen: Generator, captions: list[str], candidates: list[int], r
         if result.scores is not None:
             entry["contrastive_score"] = float(result.scores[:, :n].max(dim=1).values.mean())
         if n in fids:
-            entry["fid"] = fids[n]
+            entry[FID_KEY] = fids[n]
         report[str(n)] = entry
     if reference_fid is not None:
-        report["reference_fid"] = reference_fid
+        report[f"reference_{FID_KEY}"] = reference_fid
     return report
 
 

@@ -32,12 +32,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Generation:
     """Every candidate (``[P, N, 3, H, W]``), its contrastive score (``[P, N]``, None without a reranker),
-    and the best candidate per prompt (``[P, 3, H, W]``)."""
+    the best candidate per prompt (``[P, 3, H, W]``) and every candidate's image tokens (``[P, N, grid * grid]``,
+    raster order: what the prior drew, before the dVAE decoded it)."""
 
     prompts: list[str]
     candidates: torch.Tensor
     scores: torch.Tensor | None
     images: torch.Tensor
+    tokens: torch.Tensor | None = None
 
     def best_index(self, n: int) -> torch.Tensor:
         """Per prompt, the index of the best of the first ``n`` candidates (``n = 1``: no reranking, index 0)."""
@@ -84,7 +86,8 @@ class Generator:
     def generate(self, prompts: list[str], num_candidates: int = 1, batch_size: int = 64, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, cond_scale: float = 1.0, seed: int = 0,
                  image_prefix: torch.Tensor | None = None, progress: bool = False) -> Generation:
-        """Draw ``num_candidates`` images per prompt and rerank them (when a reranker is loaded)."""
+        """Draw ``num_candidates`` images per prompt and rerank them (when a reranker is loaded). ``image_prefix``
+        (``[P, L]`` tokens, one row per prompt) starts every candidate of its prompt: image priming."""
         prompts = check_prompts(list(prompts))
         if num_candidates < 1:
             raise ValueError(f"num_candidates={num_candidates}; expected >= 1")
@@ -93,7 +96,7 @@ class Generator:
         text = text.repeat_interleave(n, dim=0)  # [P*N, T]: candidates of one prompt are adjacent
         prefix = image_prefix.to(self.device).repeat_interleave(n, dim=0) if image_prefix is not None else None
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        images = []
+        images, drawn = [], []
         bar = tqdm(total=p * n, desc="sampling", disable=not progress, unit="img")
         for start in range(0, p * n, batch_size):
             chunk = slice(start, start + batch_size)
@@ -103,12 +106,13 @@ class Generator:
             )
             grid = tokens.view(-1, self.prior.image_grid, self.prior.image_grid)
             images.append(self.dvae.decode_indices(grid).float().clamp(0, 1).cpu())
+            drawn.append(tokens.cpu())
             bar.update(tokens.shape[0])
         bar.close()
         candidates = torch.cat(images).view(p, n, *images[0].shape[1:])
         scores = None
         if self.reranker is not None:
             scores = self.reranker.score(candidates.flatten(0, 1), [c for c in prompts for _ in range(n)]).view(p, n).cpu()
-        result = Generation(prompts, candidates, scores, candidates[:, 0])
+        result = Generation(prompts, candidates, scores, candidates[:, 0], torch.cat(drawn).view(p, n, -1))
         result.images = result.best_of(n)
         return result

@@ -127,7 +127,7 @@ def line_chart(panels: list[Panel], path: str | Path) -> list[Axes]:
 SPLIT_LABELS = {"seen": "seen captions", "zeroshot": "zero-shot"}
 METRICS = [  # (report key, panel title, y label, fixed y range)
     ("accuracy", "Caption accuracy", "accuracy", (0.0, 1.0)),
-    ("fid", "FID (CLIP image features)", "FID (lower is better)", None),
+    ("fid_shapes_clip", "FID (shapes-CLIP image features)", "FID (lower is better)", None),
     ("contrastive_score", "Contrastive score", "mean cosine", None),
 ]
 

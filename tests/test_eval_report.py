@@ -67,7 +67,7 @@ def test_fid_and_scores_per_n_are_what_they_claim(gen: Generator) -> None:
     for n in (1, 2, 4):
         best = result.best_of(n)
         want = frechet(ref_features, gen.reranker.embed_images(best).double().numpy())
-        assert report[str(n)]["fid"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+        assert report[str(n)]["fid_shapes_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
         cos = gen.reranker.score(best, captions)
         assert report[str(n)]["contrastive_score"] == pytest.approx(float(cos.mean()), abs=1e-5)
         assert 0.0 <= report[str(n)]["accuracy"] <= 1.0
@@ -75,13 +75,14 @@ def test_fid_and_scores_per_n_are_what_they_claim(gen: Generator) -> None:
     assert scores == sorted(scores)  # the best of more candidates never scores lower
     # Renders against renders is the floor; an untrained generator is far above it.
     want = frechet(ref_features, gen.reranker.embed_images(baseline).double().numpy())
-    assert report["reference_fid"] == pytest.approx(want, rel=1e-3, abs=1e-6)
-    assert report["reference_fid"] < report["1"]["fid"]
+    assert report["reference_fid_shapes_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert report["reference_fid_shapes_clip"] < report["1"]["fid_shapes_clip"]
 
 
 def test_fid_can_be_turned_off(gen: Generator) -> None:
     report = evaluate(gen, n_seen=2, n_zeroshot=0, candidates=[1, 2], seed=1, fid=False, batch_size=8)
-    assert "zeroshot" not in report and "fid" not in report["seen"]["2"] and "reference_fid" not in report["seen"]
+    assert "zeroshot" not in report and "fid_shapes_clip" not in report["seen"]["2"]
+    assert "reference_fid_shapes_clip" not in report["seen"]
     assert "contrastive_score" in report["seen"]["2"]
 
 
@@ -92,10 +93,10 @@ def test_dalle_eval_writes_json_and_png(work: Path, capsys: pytest.CaptureFixtur
             f"hydra.run.dir={work}/runs/eval")
     report = json.loads((work / "eval.json").read_text())
     for split in ("seen", "zeroshot"):
-        assert set(report[split]) >= {"1", "2", "reference_fid", "reference_renders"}
-        assert {"accuracy", "fid", "contrastive_score"} <= set(report[split]["2"])
+        assert set(report[split]) >= {"1", "2", "reference_fid_shapes_clip", "reference_renders"}
+        assert {"accuracy", "fid_shapes_clip", "contrastive_score"} <= set(report[split]["2"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed["fid"]["seen"]["2"] == pytest.approx(report["seen"]["2"]["fid"], abs=1e-3)
+    assert printed["fid_shapes_clip"]["seen"]["2"] == pytest.approx(report["seen"]["2"]["fid_shapes_clip"], abs=1e-3)
     with Image.open(work / "eval.png") as png:
         assert png.format == "PNG" and png.size[0] == 3 * png.size[1] * 360 // 280  # three panels
 

@@ -93,7 +93,7 @@ class Recorder(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.fid.last and self.fid.last is not self._last:  # a new evaluation happened in this validation
             self._last = self.fid.last
-            self.seen.append((trainer.current_epoch, trainer.global_step, self.fid.last["val/fid"]))
+            self.seen.append((trainer.current_epoch, trainer.global_step, self.fid.last[self.fid.metric_name]))
 
 
 def fit(callback: FIDCallback, epochs: int, **trainer_kwargs) -> list[tuple[int, int, float]]:
@@ -102,8 +102,9 @@ def fit(callback: FIDCallback, epochs: int, **trainer_kwargs) -> list[tuple[int,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[callback, recorder], **trainer_kwargs)
     trainer.fit(Generating())
-    if recorder.seen:  # the value was logged, not only computed
-        assert float(trainer.callback_metrics["val/fid"]) == pytest.approx(recorder.seen[-1][2], rel=1e-5)
+    if recorder.seen:  # the value was logged, not only computed, under the name of its feature space
+        assert callback.metric_name == "val/fid_custom"
+        assert float(trainer.callback_metrics["val/fid_custom"]) == pytest.approx(recorder.seen[-1][2], rel=1e-5)
     return recorder.seen
 
 
@@ -167,7 +168,7 @@ def _two_rank_worker(rank: int, world_size: int) -> tuple[float, float]:
     images = val_images()[rank::world_size]  # each rank sees its own half, as a distributed sampler gives it
     cb.update(module, {"image": images, "text": [f"c{i}" for i in range(len(images))]})
     out = cb.compute()
-    return out["val/fid"], out["val/clip_score"]
+    return out["val/fid_custom"], out["val/clip_score"]
 
 
 def test_two_ranks_compute_the_fid_of_all_images() -> None:
@@ -200,8 +201,8 @@ def test_clip_image_features_are_the_reranker_embeddings() -> None:
 def test_bad_inputs_are_clear_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.pth"):
         FIDCallback(inception_weights=str(tmp_path / "nope.pth"))
-    with pytest.raises(ValueError, match="no FID feature extractor"):
-        FIDCallback()
+    with pytest.raises(ValueError, match="features='shapes_clip' but no feature_extractor"):
+        FIDCallback(features="shapes_clip")
     with pytest.raises(ValueError, match="every_n_steps=0"):
         FIDCallback(every_n_steps=0, feature_extractor=features, feature_dim=12)
     cb = FIDCallback(num_images=4, feature_extractor=features, feature_dim=12)
@@ -229,6 +230,7 @@ def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
     _target_: callbacks.fid.FIDCallback
     every_n_epochs: 1
     num_images: 8
+    features: shapes_clip
     feature_extractor:
       _target_: dalle_lightning.rerank.Reranker.from_model
       model: {{_target_: dalle_lightning.artifacts.load_model, path: {tmp_path / 'clip.pt'}}}
@@ -243,5 +245,5 @@ def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
     reference = Reranker.from_model(load_model(tmp_path / "clip.pt"))
     fake = generated(images, 0)
     want = frechet(reference.embed_images(images).double().numpy(), reference.embed_images(fake).double().numpy())
-    assert out["val/fid"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert out["val/fid_shapes_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
     assert out["val/clip_score"] == pytest.approx(float(reference.score(fake, captions).mean()), abs=1e-5)

@@ -1,5 +1,6 @@
 """Multirun sweeps: a real two-point ``dalle-train -m`` on the tiny world with one directory per run and the
-automatic summary; the summary's ordering rules on hand-written run directories; the opt-in Optuna config.
+automatic summary; a real three-trial Optuna sweep (the ``sweep`` extra); the summary's ordering rules on
+hand-written run directories; the opt-in Optuna config.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException, MissingConfigException
+from omegaconf import OmegaConf
 
 from dalle_lightning.cli import sweep_summary
 from tests.conftest import CONF, run_app
@@ -97,20 +98,42 @@ def test_summary_command_prints_a_table_and_fails_in_one_line(tmp_path: Path, ca
     assert len(err) == 1 and "missing" in err[0]
 
 
-def test_optuna_sweep_config_is_opt_in(tmp_path: Path) -> None:
-    # Without the plugin, the default config composes and asking for the Optuna sweep is a clear error.
+def test_optuna_sweep_runs_three_trials_and_writes_the_summary(tiny_world: Path, tmp_path: Path) -> None:
+    from dalle_lightning.cli import train
+
+    sweep_dir = tmp_path / "optuna"
+    tiny = [o for o in TINY_DVAE if not o.startswith("model.n_hid=")]
+    # The real plugin and the real search space of conf/sweep/dvae_optuna.yaml, narrowed to 3 trials of tiny widths.
+    # EMA is off: it starts averaging at step 100, so a 2-step run would otherwise save (and score) its initial weights.
+    run_app(train.main, "-m", "stage=dvae", "+sweep=dvae_optuna", f"paths.work_dir={tiny_world}", "trainer.max_steps=2",
+            "+trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "~callbacks.ema", *tiny,
+            "hydra.sweeper.n_trials=3", "model.n_hid=choice(8,16)", f"hydra.sweep.dir={sweep_dir}")
+    written = {}
+    for run in sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        blob = json.loads((sweep_dir / run / "metrics.json").read_text())
+        params = dict(o.split("=", 1) for o in blob["overrides"])
+        assert 1e-4 <= float(params["module.optimizer.lr"]) <= 1e-2 and params["model.n_hid"] in {"8", "16"}
+        written[run] = blob["metrics"]["val/loss"]
+    assert len(written) == 3
+
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert summary["metric"] == "val/loss" and summary["mode"] == "min"  # the objective and Optuna's direction
+    assert len(summary["runs"]) == 3 and all(row["status"] == "ok" for row in summary["runs"])
+    assert {row["run"]: row["value"] for row in summary["runs"]} == written
+    assert [row["value"] for row in summary["runs"]] == sorted(written.values())
+    assert set(summary["swept"]) <= {"module.optimizer.lr", "model.n_hid"} and "module.optimizer.lr" in summary["swept"]
+    # Optuna's own record of the study agrees on the best trial.
+    optuna_best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    assert summary["best"]["value"] == pytest.approx(optuna_best.best_value, rel=1e-12)
+    assert float(summary["best"]["params"]["module.optimizer.lr"]) == pytest.approx(
+        optuna_best.best_params["module.optimizer.lr"], rel=1e-12)
+
+
+def test_optuna_sweep_config_selects_the_plugin_and_its_search_space(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        assert compose("train", overrides=[f"paths.work_dir={tmp_path}"]).objective is None
-        with pytest.raises((MissingConfigException, HydraException), match="optuna"):
-            compose("train", overrides=["+sweep=dvae_optuna"], return_hydra_config=True)
-    # With a stand-in for the plugin's config group entry, the file selects it and sets the search space.
-    plugin = tmp_path / "plugin" / "hydra" / "sweeper"
-    plugin.mkdir(parents=True)
-    (plugin / "optuna.yaml").write_text("_target_: hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper\n"
-                                        "direction: minimize\nn_trials: 20\nparams: null\n")
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=["+sweep=dvae_optuna", f"hydra.searchpath=[file://{tmp_path / 'plugin'}]"],
-                      return_hydra_config=True)
+        assert compose("train", overrides=[f"paths.work_dir={tmp_path}"], return_hydra_config=True
+                       ).hydra.runtime.choices["hydra/sweeper"] == "basic"  # opt-in: the default stays Hydra's own
+        cfg = compose("train", overrides=["+sweep=dvae_optuna"], return_hydra_config=True)
     assert cfg.hydra.runtime.choices["hydra/sweeper"] == "optuna"
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.hydra.sweeper.n_trials == 12
     assert dict(cfg.hydra.sweeper.params) == {"module.optimizer.lr": "tag(log, interval(1e-4, 1e-2))",

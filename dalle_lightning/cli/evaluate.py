@@ -16,7 +16,7 @@ log = logging.getLogger("dalle_lightning.eval")
 
 KEYS = {"paths", "prior", "dvae", "tokenizer", "clip", "n_seen", "n_zeroshot", "candidates", "batch_size",
         "temperature", "top_k", "top_p", "cond_scale", "seed", "out", "plot", "fid", "device"}
-SUMMARY = ("accuracy", "any_of_n", "fid", "contrastive_score")
+SUMMARY = ("accuracy", "any_of_n", "fid_shapes_clip", "contrastive_score")
 
 
 def summary(report: dict) -> dict:

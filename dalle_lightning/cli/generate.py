@@ -1,19 +1,30 @@
-"""``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid."""
+"""``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid.
+
+With ``prime_image=PATH prime_rows=K`` every image starts from the top K token rows of that image and the prior
+completes the rest under each prompt (the paper's image-to-image translation, see ``dalle_lightning.priming``).
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
 from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
 
+if TYPE_CHECKING:
+    import torch
+
+    from dalle_lightning.generate import Generation, Generator
+
 log = logging.getLogger("dalle_lightning.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
-        "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device"}
+        "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "prime_image",
+        "prime_rows"}
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -26,17 +37,35 @@ def read_prompts(cfg: DictConfig) -> list[str]:
     return [prompts] if isinstance(prompts, str) else list(prompts)
 
 
-def run(cfg: DictConfig) -> Path:
+def prime(cfg: DictConfig, gen: Generator, n_prompts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The prime image as the dVAE sees it and its top rows' tokens, one row per prompt (None: no priming)."""
+    from dalle_lightning.priming import check_prime_rows, load_prime_image, prime_tokens
+
+    if cfg.prime_image is None:
+        return None
+    grid = gen.dvae.grid_size
+    rows = check_prime_rows(grid // 2 if cfg.prime_rows is None else cfg.prime_rows, grid)
+    image = load_prime_image(cfg.prime_image, gen.dvae.image_size)
+    return image[0], prime_tokens(gen.dvae, image, rows).cpu().expand(n_prompts, -1)
+
+
+def run(cfg: DictConfig) -> Generation:
+    """Generate, write ``i.png`` per prompt, ``grid.png`` (and ``prime.png`` when priming); return the result."""
     from dalle_lightning.generate import Generator, check_prompts
     from dalle_lightning.grid import captioned_grid, save_image
 
     check_keys(cfg, KEYS)
     prompts = check_prompts(read_prompts(cfg))  # fail on an empty prompt before loading any model
+    if cfg.prime_image is None and cfg.prime_rows is not None:
+        raise ValueError(f"prime_rows={cfg.prime_rows} without prime_image; expected prime_image=PATH too")
     gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
+    primed = prime(cfg, gen, len(prompts))
     result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,
-                          seed=cfg.seed, progress=True)
+                          seed=cfg.seed, image_prefix=None if primed is None else primed[1], progress=True)
     out = Path(cfg.out_dir)
+    if primed is not None:
+        save_image(primed[0], out / "prime.png")
     for i, image in enumerate(result.images):
         save_image(image, out / f"{i}.png")
         if cfg.save_candidates:
@@ -45,7 +74,7 @@ def run(cfg: DictConfig) -> Path:
     grid = captioned_grid(result.images, result.prompts, out / "grid.png")
     print(f"grid: {grid}")
     log.info("wrote %d images and %s", len(prompts), grid)
-    return grid
+    return result
 
 
 @hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")

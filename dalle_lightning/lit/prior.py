@@ -6,7 +6,9 @@ optionally with ``"caption": list[str]``.
 Given a dVAE (``dvae=``, a module or the path of a saved one), the module also speaks the protocol of
 ``callbacks.fid.FIDCallback``: ``fid_generate`` samples image tokens for a validation batch's captions and decodes
 them, ``fid_real`` decodes the batch's real codes (so FID compares like with like: both through the same
-decoder), and ``fid_captions`` hands over the caption strings for the contrastive score.
+decoder), and ``fid_captions`` hands over the caption strings for the contrastive score. The same samples and
+captions serve ``callbacks.sample_grid.SampleGrid`` (``sample_images``, ``sample_captions``), so the grid logged at
+a validation shows images drawn as the FID's are.
 """
 
 from __future__ import annotations
@@ -121,6 +123,14 @@ class PriorModule(pl.LightningModule):
         if not isinstance(captions, (list, tuple)):
             raise KeyError("token batch has no 'caption' strings; write token shards with dalle-encode (it keeps txt)")
         return list(captions)
+
+    # ------------------------------------------------------------------ SampleGrid protocol
+    def sample_images(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Images sampled for the batch's captions, seeded as for FID."""
+        return self.fid_generate(batch)
+
+    def sample_captions(self, batch: dict[str, object]) -> list[str]:
+        return self.fid_captions(batch)
 
     def _decode(self, tokens: torch.Tensor) -> torch.Tensor:
         grid = self.model.image_grid
