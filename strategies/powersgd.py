@@ -223,12 +223,12 @@ class PowerSGD:
         world size before the sum and clamped to max/world, so that the sum cannot overflow the format."""
         world = self.replicas
         if dtype == torch.float32:
-            if world > 1:
+            if world > 1 and dist.is_initialized():
                 dist.all_reduce(flat, group=self.group)
                 flat.div_(world)
             return flat
         wire = to_comm(flat / world, dtype, summands=world)
-        if world > 1:
+        if world > 1 and dist.is_initialized():
             dist.all_reduce(wire, group=self.group)
         return from_comm(wire)
 

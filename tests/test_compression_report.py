@@ -79,11 +79,15 @@ def test_report_equals_hand_computation_on_meta_model() -> None:
 
 
 @pytest.mark.parametrize("rank", range(4))
-def test_report_matches_powersgd_byte_counts(rank: int) -> None:
-    """The report's bytes equal what PowerSGD counts when it reduces real gradients of the local shard shapes."""
+def test_report_matches_powersgd_byte_counts(rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's bytes equal what PowerSGD counts when it reduces real gradients of the local shard shapes.
+
+    Two nodes, seen from one process: PowerSGD is told it has 2 replicas (its collectives are then skipped, as
+    without a process group), so it compresses and counts as a rank of a 2-node mesh would."""
     model = _meta_model()
-    report = compression_report(model, nodes=1, devices_per_node=4, rank=rank, powersgd_rank=2, comm_dtype="fp16")
+    report = compression_report(model, nodes=2, devices_per_node=4, rank=rank, powersgd_rank=2, comm_dtype="fp16")
     grads = [(n, torch.randn(fsdp_shard_shape(p.shape, 4, rank))) for n, p in model.named_parameters()]
+    monkeypatch.setattr(PowerSGD, "replicas", property(lambda self: 2))
     psgd = PowerSGD(None, rank=2, comm_dtype=torch.float16)
     assert psgd.reduce(grads, uncompressed={"tok.weight"})
     assert psgd.stats.bytes_sent_last_step == report["compressed_bytes"]

@@ -413,3 +413,19 @@ def test_single_process_reduce_and_argument_errors() -> None:
         PowerSGD(None, rank=0)
     with pytest.raises(ValueError, match="comm_dtype"):
         PowerSGD(None, comm_dtype=torch.int8)
+
+
+def test_one_replica_means_no_compression_and_no_bytes() -> None:
+    """One node: the gradient shards are already averaged over every rank that holds them, so PowerSGD must
+    leave them exact (not approximate them at rank r) and count nothing as sent between nodes."""
+    torch.manual_seed(0)
+    grads = [("w", torch.randn(64, 48)), ("b", torch.randn(48)), ("conv", torch.randn(16, 8, 3, 3))]
+    before = [g.clone() for _, g in grads]
+    psgd = PowerSGD(None, rank=2)
+    for _ in range(3):
+        assert psgd.reduce(grads)
+    assert all(torch.equal(g, b) for (_, g), b in zip(grads, before))
+    assert psgd.stats.bytes_sent_total == 0 and psgd.stats.uncompressed_bytes_total == 0
+    assert not psgd.state_dict()["error"]  # no error buffers: nothing was approximated
+    grads[0][1][0, 0] = float("nan")
+    assert not psgd.reduce(grads) and psgd.stats.skipped_steps == 1  # non-finite still skips

@@ -237,7 +237,8 @@ def test_overflow_in_one_block_is_filtered_backed_off_and_skipped() -> None:
     assert all(torch.equal(a, b) for a, b in zip(_adam_state(opt), adam))  # moments and step count untouched
     assert all(p.grad is None for p in model.parameters())
 
-    plugin.optimizer_step(opt, model, closure)  # overflows again, 1 update later: within the cooldown
+    plugin.optimizer_step(opt, model, closure)  # overflows again with no update applied since: backs off again
+    expected[k] -= 0.5  # within the cooldown, but the cooldown only protects a scale under which updates go through
     assert torch.equal(plugin.scales.log2, expected) and plugin.scales.skipped == 2
     model.blocks[k].branch.poison = None
     plugin.optimizer_step(opt, model, closure)
