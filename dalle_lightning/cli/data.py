@@ -14,13 +14,15 @@ log = logging.getLogger("dalle_lightning.data")
 
 
 def run(cfg: DictConfig) -> dict[str, str]:
+    from dalle_lightning.outputs import claim
     from dalle_lightning.world import write_world
+    from dalle_lightning.world.scene import SPLITS
 
     check_keys(cfg, {"paths", "out_dir", "n_train", "n_val", "n_zeroshot", "seed", "shard_size", "image_size", "force"})
     out = Path(cfg.out_dir)
-    if not cfg.force and all(any((out / s).glob("*.tar")) for s in ("train", "val", "zeroshot")):
+    if not cfg.force and all(claim(out / s, "images") and any((out / s).glob("*.tar")) for s in SPLITS):
         log.info("shapes world exists in %s; reusing it (force=true rewrites)", out)
-        return {s: str(out / s) for s in ("train", "val", "zeroshot")}
+        return {s: str(out / s) for s in SPLITS}
     splits = write_world(out, n_train=cfg.n_train, n_val=cfg.n_val, n_zeroshot=cfg.n_zeroshot, seed=cfg.seed,
                          shard_size=cfg.shard_size, image_size=cfg.image_size)
     for split, pattern in splits.items():

@@ -1,4 +1,8 @@
-"""``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid."""
+"""``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid.
+
+``out_dir`` is new, empty, or an earlier run's output: the earlier run's files are removed before the new ones are
+written (and listed in the folder's marker), never anything else (``outputs.clear_samples``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
+from dalle_lightning.outputs import claim, clear_samples, write_marker
 
 log = logging.getLogger("dalle_lightning.generate")
 
@@ -32,17 +37,23 @@ def run(cfg: DictConfig) -> Path:
 
     check_keys(cfg, KEYS)
     prompts = check_prompts(read_prompts(cfg))  # fail on an empty prompt before loading any model
+    out = Path(cfg.out_dir)
+    claim(out, "samples")  # a folder of other files fails before any model loads
     gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
     result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,
                           seed=cfg.seed, progress=True)
-    out = Path(cfg.out_dir)
+    clear_samples(out)
+    files = []
     for i, image in enumerate(result.images):
-        save_image(image, out / f"{i}.png")
+        files.append(f"{i}.png")
+        save_image(image, out / files[-1])
         if cfg.save_candidates:
             for j, cand in enumerate(result.candidates[i]):
-                save_image(cand, out / "candidates" / f"{i}_{j}.png")
+                files.append(f"candidates/{i}_{j}.png")
+                save_image(cand, out / files[-1])
     grid = captioned_grid(result.images, result.prompts, out / "grid.png")
+    write_marker(out, "samples", files=[*files, "grid.png"], prompts=result.prompts)
     print(f"grid: {grid}")
     log.info("wrote %d images and %s", len(prompts), grid)
     return grid

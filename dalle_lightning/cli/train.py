@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import save_model, write_json
 from dalle_lightning.cli.common import CONF_DIR, check_keys, instantiate_dict, one_line_errors, strategy_and_precision
+from dalle_lightning.lineage import stage_record
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -59,13 +60,17 @@ def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
     return {"vocab_size": tok.vocab_size}
 
 
-def model_meta(stage: str, model: torch.nn.Module) -> dict[str, Any]:
-    """Facts later stages read from the artifact through ``${meta:...}``."""
-    meta: dict[str, Any] = {"stage": stage, "parameters": sum(p.numel() for p in model.parameters())}
-    for key in ("vocab_size", "grid_size", "image_size", "text_len", "image_grid"):
+def model_meta(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
+    """Facts later stages read from the artifact through ``${meta:...}``, and what it was trained with."""
+    meta: dict[str, Any] = {"stage": cfg.stage.name, "parameters": sum(p.numel() for p in model.parameters())}
+    for key in ("vocab_size", "grid_size", "image_size", "text_len", "image_grid", "text_vocab_size",
+                "image_vocab_size"):
         value = getattr(model, key, None)
         if isinstance(value, int):
             meta[key] = value
+    trained_with = stage_record(cfg)
+    if trained_with:
+        meta["trained_with"] = trained_with
     return meta
 
 
@@ -85,7 +90,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     if trainer.is_global_zero and not cfg.trainer.fast_dev_run:
-        save_model(cfg.output, cfg.model, model, meta=model_meta(cfg.stage.name, model))
+        save_model(cfg.output, cfg.model, model, meta=model_meta(cfg, model))
         log.info("%s written to %s", cfg.stage.name, cfg.output)
     return metrics
 
@@ -100,6 +105,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if out.exists() and not cfg.stage.force and not cfg.get("trainer", {}).get("fast_dev_run", False):
         log.info("%s exists; reusing it (stage.force=true retrains)", out)
         return {"reused": 1.0}
+    stage_record(cfg)  # artifacts and data that do not belong together fail now, not after training
     start = time.perf_counter()
     metrics = train_tokenizer(cfg) if stage == "tokenizer" else fit(cfg)
     metrics["wall_time_s"] = time.perf_counter() - start
