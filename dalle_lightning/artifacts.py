@@ -4,8 +4,9 @@ without knowing its hyper-parameters.
 An artifact is a ``torch.save``d dict ``{"config": <Hydra _target_ dict>, "state_dict": ..., "meta": {...}}``.
 ``meta`` holds facts other stages read through config resolvers (a dVAE's vocabulary and grid size, a
 tokenizer's vocabulary) and ``sha256``, the digest of the weights that later artifacts record (``lineage``).
-Writes go to a temporary file renamed into place, so an interrupted save never leaves a half-written artifact
-behind.
+Only finite weights are written: a diverged run must not leave a file that later stages take for a trained
+model. Writes go to a temporary file renamed into place, so an interrupted save never leaves a half-written
+artifact behind.
 """
 
 from __future__ import annotations
@@ -52,7 +53,18 @@ def save_model(path: str | Path, config: DictConfig | dict, model: nn.Module, me
     """Save ``model``'s weights with the ``_target_`` config that rebuilds it."""
     cfg = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    check_finite(state, path)
     return atomic_save({"config": cfg, "state_dict": state, "meta": {**(meta or {}), "sha256": weights_digest(state)}}, path)
+
+
+def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Raise a one-line ``FloatingPointError`` naming the tensors with NaN or Inf values: nothing is written."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise FloatingPointError(
+            f"not writing {str(path)!r}: {len(bad)} of {len(state)} weight tensors hold NaN or Inf "
+            f"(first: {bad[0]}); expected finite weights (the run diverged: lower the learning rate)"
+        )
 
 
 def _read(path: str | Path) -> dict:

@@ -36,7 +36,7 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
 
         try:
             return main(cfg)
-        except (FileNotFoundError, ValueError, KeyError, InstantiationException) as exc:
+        except (FileNotFoundError, ValueError, KeyError, FloatingPointError, InstantiationException) as exc:
             if os.environ.get("DALLE_DEBUG"):
                 raise
             if isinstance(exc, InstantiationException) and exc.__cause__ is not None:

@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import save_model, write_json
+from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import CONF_DIR, check_keys, instantiate_dict, one_line_errors, strategy_and_precision
 from dalle_lightning.lineage import stage_record
 
@@ -101,6 +102,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     stage = cfg.stage.name
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
+    checks.output_file(cfg, "output")  # an unwritable output fails now, not after training
     out = Path(cfg.output)
     if out.exists() and not cfg.stage.force and not cfg.get("trainer", {}).get("fast_dev_run", False):
         log.info("%s exists; reusing it (stage.force=true retrains)", out)
