@@ -87,16 +87,17 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def _check_writable_parent(key: str, path: Path) -> None:
-    """The nearest existing ancestor of ``path`` is a directory a file can be created in (tried, then removed)."""
-    anchor = _nearest_existing(path.parent)
+def _check_writable(key: str, got: str, folder: Path) -> None:
+    """The nearest existing ancestor of ``folder`` (itself included) is a directory a file can be created in
+    (tried, then removed)."""
+    anchor = _nearest_existing(folder)
     if not anchor.is_dir():
-        _fail(key, str(path), f"a path under a directory, but {str(anchor)!r} is a file")
+        _fail(key, got, f"a path under a directory, but {str(anchor)!r} is a file")
     probe = anchor / f".dalle-write-test-{uuid.uuid4().hex[:8]}"
     try:
         probe.touch()
     except OSError as exc:
-        _fail(key, str(path), f"a writable location ({str(anchor)!r}: {exc.strerror or type(exc).__name__})")
+        _fail(key, got, f"a writable location ({str(anchor)!r}: {exc.strerror or type(exc).__name__})")
     else:
         probe.unlink(missing_ok=True)
 
@@ -111,7 +112,7 @@ def output_file(cfg: DictConfig, key: str) -> None:
     path = Path(os.path.abspath(got))
     if path.is_dir():
         _fail(key, got, "a file path, not a directory")
-    _check_writable_parent(key, path)
+    _check_writable(key, got, path.parent)
 
 
 def output_dir(cfg: DictConfig, key: str) -> None:
@@ -122,7 +123,7 @@ def output_dir(cfg: DictConfig, key: str) -> None:
     path = Path(os.path.abspath(got))
     if path.exists() and not path.is_dir():
         _fail(key, got, "a directory, not a file")
-    _check_writable_parent(key, path / "x")
+    _check_writable(key, got, path)
 
 
 def input_file(cfg: DictConfig, key: str, what: str, optional: bool = False) -> None:
@@ -132,3 +133,50 @@ def input_file(cfg: DictConfig, key: str, what: str, optional: bool = False) -> 
         return
     if not isinstance(got, str) or not Path(got).is_file():
         _fail(key, got, f"an existing file: {what}")
+
+
+def models(cfg: DictConfig, optional_clip: bool = True) -> None:
+    """The artifact paths of ``dalle-generate`` and ``dalle-eval`` exist (their kinds are checked on reading)."""
+    input_file(cfg, "prior", "a trained prior (dalle-train stage=prior)")
+    input_file(cfg, "dvae", "a trained dVAE (dalle-train stage=dvae)")
+    input_file(cfg, "tokenizer", "a tokenizer.json (dalle-train stage=tokenizer)")
+    input_file(cfg, "clip", "a trained CLIP (dalle-train stage=clip)", optional=optional_clip)
+
+
+def sampling(cfg: DictConfig) -> None:
+    """The sampling settings ``dalle-generate`` and ``dalle-eval`` share, and the device they run on."""
+    integer(cfg, "batch_size", minimum=1)
+    number(cfg, "temperature", low=0, low_open=True)
+    integer(cfg, "top_k", minimum=1, optional=True)
+    number(cfg, "top_p", low=0, high=1, low_open=True, optional=True)
+    number(cfg, "cond_scale")
+    integer(cfg, "seed")
+    device(cfg)
+    models(cfg)
+
+
+def training(cfg: DictConfig) -> None:
+    """``dalle-train``'s values that libraries would otherwise reject late (or with a traceback)."""
+    integer(cfg, "seed")
+    boolean(cfg, "stage.force")
+    boolean(cfg, "verbose")
+    output_file(cfg, "output")
+    if cfg.stage.name == "tokenizer":
+        return
+    integer(cfg, "trainer.max_steps", minimum=1, allowed=(-1,))
+    integer(cfg, "trainer.max_epochs", minimum=1, allowed=(-1,), optional=True)
+    integer(cfg, "trainer.accumulate_grad_batches", minimum=1)
+    integer(cfg, "trainer.log_every_n_steps", minimum=1)
+    number(cfg, "trainer.gradient_clip_val", low=0, low_open=True, optional=True)
+    integer(cfg, "data.batch_size", minimum=1)
+    integer(cfg, "data.num_workers", minimum=0)
+    integer(cfg, "data.shuffle_buffer", minimum=0)
+    for key in ("lr", "weight_decay", "eps"):
+        if value(cfg, f"module.optimizer.{key}") is not None:
+            number(cfg, f"module.optimizer.{key}", low=0, low_open=key != "weight_decay")
+    accelerator = value(cfg, "trainer.accelerator")
+    if accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail("trainer.accelerator", accelerator, "cpu or auto (this machine has no CUDA device)")

@@ -14,14 +14,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 import webdataset as wds
 from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import load_artifact, read_record
-from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.shards import resolve_shards
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
@@ -79,7 +79,15 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
 
 def run(cfg: DictConfig) -> dict[str, int]:
     check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "splits", "out_dir", "shard_size",
-                     "batch_size", "bf16", "num_workers", "force"})
+                     "batch_size", "bf16", "num_workers", "force", "verbose"})
+    checks.input_file(cfg, "dvae", "a trained dVAE (dalle-train stage=dvae)")
+    checks.input_file(cfg, "tokenizer", "a tokenizer.json (dalle-train stage=tokenizer)")
+    for key in ("text_len", "image_size", "shard_size", "batch_size"):
+        checks.integer(cfg, key, minimum=1)
+    checks.integer(cfg, "num_workers", minimum=0)
+    checks.boolean(cfg, "bf16")
+    checks.boolean(cfg, "force")
+    checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
     if not cfg.force and all(claim(out / s, "tokens") and any((out / s).glob("*.tar")) for s in cfg.splits):
         check_reused(out, cfg)
@@ -114,8 +122,7 @@ def check_reused(out: Path, cfg: DictConfig) -> None:
                    "tokenizer", cfg.tokenizer, user)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="encode", version_base="1.3")
-@one_line_errors
+@hydra_app("encode")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.outputs import claim, clear_samples, write_marker
 
 log = logging.getLogger("dalle_lightning.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
-        "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device"}
+        "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "verbose"}
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -37,6 +37,10 @@ def run(cfg: DictConfig) -> Path:
 
     check_keys(cfg, KEYS)
     prompts = check_prompts(read_prompts(cfg))  # fail on an empty prompt before loading any model
+    checks.integer(cfg, "num_candidates", minimum=1)
+    checks.sampling(cfg)
+    checks.boolean(cfg, "save_candidates")
+    checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
     claim(out, "samples")  # a folder of other files fails before any model loads
     gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
@@ -59,8 +63,7 @@ def run(cfg: DictConfig) -> Path:
     return grid
 
 
-@hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
-@one_line_errors
+@hydra_app("generate")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

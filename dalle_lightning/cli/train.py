@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
@@ -20,13 +19,13 @@ from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import save_model, write_json
 from dalle_lightning.cli import checks
-from dalle_lightning.cli.common import CONF_DIR, check_keys, instantiate_dict, one_line_errors, strategy_and_precision
+from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, strategy_and_precision
 from dalle_lightning.lineage import stage_record
 
 log = logging.getLogger("dalle_lightning.train")
 
 TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
-                  "seed", "output", "module", "objective"}
+                  "seed", "output", "module", "objective", "verbose"}
 STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
@@ -102,7 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     stage = cfg.stage.name
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
-    checks.output_file(cfg, "output")  # an unwritable output fails now, not after training
+    checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
     out = Path(cfg.output)
     if out.exists() and not cfg.stage.force and not cfg.get("trainer", {}).get("fast_dev_run", False):
         log.info("%s exists; reusing it (stage.force=true retrains)", out)
@@ -114,8 +113,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-@one_line_errors
+@hydra_app("train")
 def main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
     hydra_cfg = HydraConfig.get()
