@@ -108,6 +108,7 @@ class NonFiniteGuard(pl.Callback):
                            batch_idx: int) -> None:
         if trainer.global_step == self._last_step:
             return  # inside a gradient accumulation window: no update was tried
+        self._bad_loss = None  # this window is over, also when a strategy skipped it before our check ran
         self.attempts += trainer.global_step - self._last_step
         self._last_step = trainer.global_step
         strategy_skips = _strategy_skips(trainer)
