@@ -15,6 +15,8 @@ import torch
 from tests.conftest import run_app
 from tests.test_pipeline import TINY_DVAE
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on shared cores
+
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=csv"]
 
 

@@ -14,6 +14,8 @@ from dalle_lightning.data.datamodule import ImageTextDataModule
 from dalle_lightning.world import write_world
 from tests.conftest import run_app
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on shared cores
+
 def _tar_names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.tar"))
 
