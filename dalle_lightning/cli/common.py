@@ -186,5 +186,5 @@ def to_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-# The Hydra config tree at the repository root (the package is installed in editable mode by `make`).
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# The Hydra config tree, shipped inside the package (so an installed wheel has it too).
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
