@@ -1,6 +1,6 @@
 """Prior training throughput (tokens/s, forward + backward + AdamW step) in fp32 and bf16 autocast, as JSON.
 
-Demo-sized model (``conf/model/prior_shapes.yaml``: 6 layers, 4 heads x 32, 20 caption + 8x8 image tokens) on
+Demo-sized model (``dalle_lightning/conf/model/prior_shapes.yaml``: 6 layers, 4 heads x 32, 20 caption + 8x8 image tokens) on
 random token batches; one token = one stream position (``text_len + grid^2`` per sequence).
 Usage: ``python benchmarks/prior_throughput.py [--batch 32] [--steps 5] [--impl sparse dense] [--threads N]``.
 """

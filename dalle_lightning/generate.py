@@ -22,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dalle_lightning.artifacts import load_model
+from dalle_lightning.lineage import check_pipeline
 from dalle_lightning.rerank import Reranker
 from dalle_lightning.sampling import sample_image_tokens
 from dalle_lightning.tokenizer import CaptionTokenizer
@@ -73,10 +74,18 @@ class Generator:
         self.reranker = reranker.to(self.device) if reranker is not None else None
         if self.prior.image_grid != self.dvae.grid_size:
             raise ValueError(f"prior image_grid={self.prior.image_grid} but dVAE grid_size={self.dvae.grid_size}")
+        if self.prior.image_vocab_size != self.dvae.vocab_size:
+            raise ValueError(f"prior image_vocab_size={self.prior.image_vocab_size} but dVAE vocab_size="
+                             f"{self.dvae.vocab_size}; expected the dVAE the prior was trained with")
+        if self.prior.text_vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"prior text_vocab_size={self.prior.text_vocab_size} but tokenizer vocab_size="
+                             f"{tokenizer.vocab_size}; expected the tokenizer the prior was trained with")
 
     @classmethod
     def from_files(cls, prior: str | Path, dvae: str | Path, tokenizer: str | Path, clip: str | Path | None = None,
                    device: str = "cpu") -> "Generator":
+        """Load saved artifacts, after checking that they belong together (``lineage.check_pipeline``)."""
+        check_pipeline(prior, dvae, tokenizer, clip)
         prior_model = load_model(prior)
         tok = CaptionTokenizer.load(tokenizer, text_len=prior_model.text_len)
         reranker = Reranker.from_saved(clip) if clip is not None else None

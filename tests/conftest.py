@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+CONF = ROOT / "dalle_lightning" / "conf"
 
 
 def run_app(main: Callable[[], Any], *overrides: str) -> None:
@@ -31,6 +31,46 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     work = tmp_path_factory.mktemp("work")
     run_app(data.main, f"paths.work_dir={work}", "n_train=256", "n_val=64", "n_zeroshot=32", "shard_size=64")
+    return work
+
+
+TINY_DVAE_CONFIG = {"_target_": "dalle_lightning.models.dvae.DiscreteVAE", "image_size": 64, "n_hid": 8,
+                    "n_blk_per_group": 1, "vocab_size": 32, "codebook_dim": 16}
+
+
+def _save_dvae(path: Path, seed: int) -> dict:
+    from hydra.utils import instantiate
+
+    from dalle_lightning.artifacts import save_model
+
+    torch.manual_seed(seed)
+    dvae = instantiate(TINY_DVAE_CONFIG)
+    blob = save_model(path, TINY_DVAE_CONFIG, dvae, meta={"stage": "dvae", "vocab_size": 32, "grid_size": 8})
+    return torch.load(blob, weights_only=False)["meta"]
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tokenizer.json, two dVAEs of the same shape (dvae.pt, other_dvae.pt) and a prior that records dvae.pt."""
+    from hydra.utils import instantiate
+
+    from dalle_lightning.artifacts import save_model
+    from dalle_lightning.lineage import dvae_record, tokenizer_record
+    from dalle_lightning.tokenizer import CaptionTokenizer
+    from dalle_lightning.world.scene import sample_captions
+
+    work = tmp_path_factory.mktemp("artifacts")
+    tok = CaptionTokenizer.train(sample_captions(0, "train", 200), vocab_size=300, text_len=20)
+    tok.save(work / "tokenizer.json")
+    dvae_meta = _save_dvae(work / "dvae.pt", seed=0)
+    _save_dvae(work / "other_dvae.pt", seed=1)
+    prior_cfg = {"_target_": "dalle_lightning.models.prior.DallePrior", "text_vocab_size": tok.vocab_size,
+                 "text_len": 20, "image_vocab_size": 32, "image_grid": 8, "n_layer": 2, "n_head": 2, "d_head": 8}
+    prior = instantiate(prior_cfg)
+    trained_with = {"dvae": dvae_record(dvae_meta),
+                    "tokenizer": tokenizer_record(work / "tokenizer.json", tok.vocab_size)}
+    save_model(work / "prior.pt", prior_cfg, prior, meta={"stage": "prior", "trained_with": trained_with})
+    save_model(work / "legacy_prior.pt", prior_cfg, prior, meta={"stage": "prior"})  # written before records
     return work
 
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import logging
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dalle_lightning.artifacts import write_json
-from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app
 
 log = logging.getLogger("dalle_lightning.eval")
 
 KEYS = {"paths", "prior", "dvae", "tokenizer", "clip", "n_seen", "n_zeroshot", "candidates", "batch_size",
-        "temperature", "top_k", "top_p", "cond_scale", "seed", "out", "plot", "fid", "device"}
+        "temperature", "top_k", "top_p", "cond_scale", "seed", "out", "plot", "fid", "device", "verbose"}
 SUMMARY = ("accuracy", "any_of_n", "fid_shapes_clip", "contrastive_score")
 
 
@@ -31,12 +31,31 @@ def summary(report: dict) -> dict:
     return out
 
 
+def check_input(cfg: DictConfig) -> None:
+    """Every value before any model loads (see ``cli.checks``)."""
+    checks.integer(cfg, "n_seen", minimum=0)
+    checks.integer(cfg, "n_zeroshot", minimum=0)
+    if cfg.n_seen + cfg.n_zeroshot == 0:
+        raise ValueError("n_seen=0 and n_zeroshot=0; expected at least one caption to evaluate")
+    candidates = checks.value(cfg, "candidates")
+    if not OmegaConf.is_list(candidates) or not candidates or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in candidates):
+        raise ValueError(f"candidates={candidates!r}; expected a non-empty list of N >= 1, e.g. [1,2,4]")
+    checks.sampling(cfg)
+    checks.boolean(cfg, "fid")
+    if cfg.fid and cfg.clip is None:
+        raise ValueError("fid=true with clip=null; expected a clip file (FID uses its image features) or fid=false")
+    checks.output_file(cfg, "out")
+    checks.output_file(cfg, "plot")
+
+
 def run(cfg: DictConfig) -> dict:
     from dalle_lightning.evaluate import evaluate
     from dalle_lightning.generate import Generator
     from dalle_lightning.plot import plot_report
 
     check_keys(cfg, KEYS)
+    check_input(cfg)
     gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
     report = evaluate(gen, cfg.n_seen, cfg.n_zeroshot, list(cfg.candidates), seed=cfg.seed, fid=cfg.fid,
                       batch_size=cfg.batch_size, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -49,8 +68,7 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
-@hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
-@one_line_errors
+@hydra_app("eval")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

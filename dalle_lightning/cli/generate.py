@@ -2,6 +2,8 @@
 
 With ``prime_image=PATH prime_rows=K`` every image starts from the top K token rows of that image and the prior
 completes the rest under each prompt (the paper's image-to-image translation, see ``dalle_lightning.priming``).
+``out_dir`` is new, empty, or an earlier run's output: the earlier run's files are removed before the new ones are
+written (and listed in the folder's marker), never anything else (``outputs.clear_samples``).
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import hydra
 from omegaconf import DictConfig
 
-from dalle_lightning.cli.common import CONF_DIR, check_keys, one_line_errors
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app
+from dalle_lightning.outputs import claim, clear_samples, write_marker
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +27,7 @@ log = logging.getLogger("dalle_lightning.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
         "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "prime_image",
-        "prime_rows"}
+        "prime_rows", "verbose"}
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -58,27 +61,37 @@ def run(cfg: DictConfig) -> Generation:
     prompts = check_prompts(read_prompts(cfg))  # fail on an empty prompt before loading any model
     if cfg.prime_image is None and cfg.prime_rows is not None:
         raise ValueError(f"prime_rows={cfg.prime_rows} without prime_image; expected prime_image=PATH too")
+    checks.integer(cfg, "num_candidates", minimum=1)
+    checks.sampling(cfg)
+    checks.boolean(cfg, "save_candidates")
+    checks.output_dir(cfg, "out_dir")
+    out = Path(cfg.out_dir)
+    claim(out, "samples")  # a folder of other files fails before any model loads
     gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
     primed = prime(cfg, gen, len(prompts))
     result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,
                           seed=cfg.seed, image_prefix=None if primed is None else primed[1], progress=True)
-    out = Path(cfg.out_dir)
+    clear_samples(out)
+    files = []
     if primed is not None:
         save_image(primed[0], out / "prime.png")
+        files.append("prime.png")
     for i, image in enumerate(result.images):
-        save_image(image, out / f"{i}.png")
+        files.append(f"{i}.png")
+        save_image(image, out / files[-1])
         if cfg.save_candidates:
             for j, cand in enumerate(result.candidates[i]):
-                save_image(cand, out / "candidates" / f"{i}_{j}.png")
+                files.append(f"candidates/{i}_{j}.png")
+                save_image(cand, out / files[-1])
     grid = captioned_grid(result.images, result.prompts, out / "grid.png")
+    write_marker(out, "samples", files=[*files, "grid.png"], prompts=result.prompts)
     print(f"grid: {grid}")
     log.info("wrote %d images and %s", len(prompts), grid)
     return result
 
 
-@hydra.main(config_path=CONF_DIR, config_name="generate", version_base="1.3")
-@one_line_errors
+@hydra_app("generate")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

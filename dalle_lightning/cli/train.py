@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
@@ -19,12 +18,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import save_model, write_json
-from dalle_lightning.cli.common import CONF_DIR, check_keys, instantiate_dict, one_line_errors, strategy_and_precision
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, strategy_and_precision
+from dalle_lightning.lineage import stage_record
 
 log = logging.getLogger("dalle_lightning.train")
 
 TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
-                  "seed", "output", "module", "objective"}
+                  "seed", "output", "module", "objective", "verbose"}
 STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
@@ -59,13 +60,17 @@ def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
     return {"vocab_size": tok.vocab_size}
 
 
-def model_meta(stage: str, model: torch.nn.Module) -> dict[str, Any]:
-    """Facts later stages read from the artifact through ``${meta:...}``."""
-    meta: dict[str, Any] = {"stage": stage, "parameters": sum(p.numel() for p in model.parameters())}
-    for key in ("vocab_size", "grid_size", "image_size", "text_len", "image_grid"):
+def model_meta(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
+    """Facts later stages read from the artifact through ``${meta:...}``, and what it was trained with."""
+    meta: dict[str, Any] = {"stage": cfg.stage.name, "parameters": sum(p.numel() for p in model.parameters())}
+    for key in ("vocab_size", "grid_size", "image_size", "text_len", "image_grid", "text_vocab_size",
+                "image_vocab_size"):
         value = getattr(model, key, None)
         if isinstance(value, int):
             meta[key] = value
+    trained_with = stage_record(cfg)
+    if trained_with:
+        meta["trained_with"] = trained_with
     return meta
 
 
@@ -87,7 +92,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     if not cfg.trainer.fast_dev_run:
         state = model_state_dict(trainer, module, model)  # collective under a sharding strategy: every rank calls
         if trainer.is_global_zero:
-            save_model(cfg.output, cfg.model, model, meta=model_meta(cfg.stage.name, model), state_dict=state)
+            save_model(cfg.output, cfg.model, model, meta=model_meta(cfg, model), state_dict=state)
             log.info("%s written to %s", cfg.stage.name, cfg.output)
     return metrics
 
@@ -110,18 +115,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     stage = cfg.stage.name
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
+    checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
     out = Path(cfg.output)
     if out.exists() and not cfg.stage.force and not cfg.get("trainer", {}).get("fast_dev_run", False):
         log.info("%s exists; reusing it (stage.force=true retrains)", out)
         return {"reused": 1.0}
+    stage_record(cfg)  # artifacts and data that do not belong together fail now, not after training
     start = time.perf_counter()
     metrics = train_tokenizer(cfg) if stage == "tokenizer" else fit(cfg)
     metrics["wall_time_s"] = time.perf_counter() - start
     return metrics
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-@one_line_errors
+@hydra_app("train")
 def main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
     hydra_cfg = HydraConfig.get()

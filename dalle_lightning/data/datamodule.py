@@ -1,10 +1,12 @@
 """LightningDataModules over WebDataset shards: image-text pairs (dVAE, CLIP) and token pairs (prior).
 
 Both read any WebDataset shards (local paths, brace patterns, lists, remote URLs), split them among ranks
-and loader workers so each consumer sees different samples, shuffle with a buffer, and batch. A sample that
-cannot be used (corrupt image, missing/empty caption, non-UTF-8 text, bad token arrays) is skipped, counted
-by reason and logged; it never stops training. Counts are per process (``skipped``); with loader workers each
-worker logs its own skips.
+and loader workers so each consumer sees different samples, shuffle with a buffer, and batch. A shard that
+cannot be read (empty, truncated, not a tar) or a sample that cannot be used (corrupt image, missing/empty
+caption, non-UTF-8 text, bad token arrays, a wrong code count, an out-of-range code or id) is skipped, counted
+by reason and logged; it never stops training. The counts (``skipped``, ``skip_counts()``) include the loader
+workers' (``data.skips``); ``callbacks.skipped_samples`` sums them over ranks into metrics. A training pass that
+yields no batch at all is an error naming the shards (``data.epoch_loader``), not an endless run of empty epochs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import io
 import logging
 import random
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,20 +24,14 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from dalle_lightning.data.epoch_loader import NonEmptyLoader
 from dalle_lightning.data.shards import resolve_shards, split_for
+from dalle_lightning.data.skips import SkipCounter, read_shards
 from dalle_lightning.data.transforms import center_square_resize, decode_image, paper_augment, to_tensor
 
 log = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
-
-
-class SkipCounter(Counter):
-    """Counts skipped samples by reason and logs each one with its key, so bad shards can be found."""
-
-    def skip(self, reason: str, key: str) -> None:
-        self[reason] += 1
-        log.warning("skipped sample %s: %s (%d skipped for this reason so far)", key, reason, self[reason])
 
 
 RANK_SPLITS = ("samples", "shards")
@@ -60,12 +55,13 @@ class ShardStream(IterableDataset):
     """
 
     def __init__(self, urls: list[str], decode: Any, rank: int, world_size: int, shuffle: int, seed: int,
-                 split: str = "samples") -> None:
+                 split: str = "samples", skipped: SkipCounter | None = None) -> None:
         super().__init__()
         if split not in RANK_SPLITS:
             raise ValueError(f"rank_split={split!r}; expected one of {RANK_SPLITS}")
         self.urls, self.decode, self.rank, self.world_size = urls, decode, rank, world_size
         self.shuffle, self.seed, self.epoch, self.split = shuffle, seed, 0, split
+        self.skipped = skipped  # where unreadable shards are counted (None: logged only)
         self.replaced = 0  # undecodable samples stood in for by the previous good one ("samples" split)
 
     def _consumer(self) -> tuple[int, int]:
@@ -81,7 +77,8 @@ class ShardStream(IterableDataset):
         consumer, consumers = self._consumer()
         by_sample = self.split == "samples" and consumers > 1
         mine = urls if by_sample else split_for(urls, self.rank, self.world_size)
-        stream = wds.tarfile_samples([{"url": u} for u in mine], handler=wds.warn_and_continue)
+        # Every consumer reads every shard in the "samples" split: only the first counts a shard it cannot read.
+        stream = read_shards(mine, self.skipped if not by_sample or consumer == 0 else None)
         if self.shuffle:
             stream = wds.filters._shuffle(stream, self.shuffle, initial=min(100, self.shuffle), rng=rng)
         if not by_sample:
@@ -128,7 +125,7 @@ class WebDataModule(pl.LightningDataModule):
         self.train_shards, self.val_shards = train_shards, val_shards
         self.batch_size, self.num_workers = batch_size, num_workers
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
-        self.skipped = SkipCounter()
+        self.skipped = SkipCounter(workers=num_workers)
         self._train: ShardStream | None = None
 
     def decode(self, sample: dict[str, Any]) -> dict[str, Any] | None:  # pragma: no cover - abstract
@@ -140,7 +137,12 @@ class WebDataModule(pl.LightningDataModule):
 
     def stream(self, shards: str | Sequence[str], shuffle: int) -> ShardStream:
         rank, world = self._rank()
-        return ShardStream(resolve_shards(shards), self.decode, rank, world, shuffle, self.seed, self.rank_split)
+        return ShardStream(resolve_shards(shards), self.decode, rank, world, shuffle, self.seed, self.rank_split,
+                           self.skipped)
+
+    def skip_counts(self) -> dict[str, int]:
+        """Skipped shards and samples of this process and its loader workers, by reason (every reason listed)."""
+        return dict(self.skipped)
 
     @override
     def setup(self, stage: str) -> None:
@@ -151,21 +153,19 @@ class WebDataModule(pl.LightningDataModule):
             if spec is not None:
                 resolve_shards(spec)
 
-    def _loader(self, dataset: ShardStream) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=False,
-            pin_memory=False,
-        )
+    def _loader(self, dataset: ShardStream, train: bool = False) -> DataLoader:
+        kwargs: dict[str, Any] = dict(batch_size=self.batch_size, num_workers=self.num_workers,
+                                      persistent_workers=False, pin_memory=False)
+        if train:  # a training pass without a single batch is an error, not an endless run of empty epochs
+            return NonEmptyLoader(dataset, shards=dataset.urls, skipped=self.skipped.summary, **kwargs)
+        return DataLoader(dataset, **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:
         self._train = self.stream(self.train_shards, self.shuffle_buffer)
         if self.trainer is not None:
             self._train.epoch = self.trainer.current_epoch
-        return self._loader(self._train)
+        return self._loader(self._train, train=True)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
@@ -216,7 +216,7 @@ class ImageTextDataModule(WebDataModule):
         try:
             img = decode_image(data)
         except Exception as exc:  # PIL raises many types for corrupt files
-            self.skipped.skip(f"corrupt image ({type(exc).__name__})", key)
+            self.skipped.skip("corrupt image", key, type(exc).__name__)
             return None
         if train and self.augment:
             img = paper_augment(img, self.image_size, self._rng, flip=self.random_flip)
@@ -230,7 +230,7 @@ class ImageTextDataModule(WebDataModule):
             return []
         rank, world = self._rank()
         ds = ShardStream(resolve_shards(self.val_shards), lambda s: self.decode(s, train=False), rank, world, 0, self.seed,
-                         self.rank_split)
+                         self.rank_split, self.skipped)
         return self._loader(ds)
 
 
@@ -243,23 +243,40 @@ class TokenDataModule(WebDataModule):
     """
 
     def __init__(self, text_len: int = 256, image_tokens: int | None = None, tokenizer: Any = None,
-                 bpe_dropout: float = 0.0, **kwargs: Any) -> None:
+                 bpe_dropout: float = 0.0, image_grid: int | None = None, image_vocab_size: int | None = None,
+                 text_vocab_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.text_len, self.image_tokens = text_len, image_tokens
-        self.tokenizer, self.bpe_dropout = tokenizer, bpe_dropout
+        self.text_len, self.tokenizer, self.bpe_dropout = text_len, tokenizer, bpe_dropout
+        # Expected codes per sample: given, or the prior's grid squared (None: no check).
+        self.image_tokens = image_tokens if image_tokens is not None else (image_grid**2 if image_grid else None)
+        self.image_vocab_size, self.text_vocab_size = image_vocab_size, text_vocab_size
         if bpe_dropout and tokenizer is None:
             raise ValueError(f"bpe_dropout={bpe_dropout} needs a tokenizer to re-encode captions")
+
+    def _bad_tokens(self, codes: np.ndarray, ids: np.ndarray) -> str | None:
+        """Why a sample's arrays cannot train this prior (one reason of ``data.skips.REASONS``), or None."""
+        if self.image_tokens is not None and codes.size != self.image_tokens:
+            return "wrong image token count"
+        if self.image_vocab_size is not None and codes.size and (codes.min() < 0 or codes.max() >= self.image_vocab_size):
+            return "image code out of range"
+        if self.text_vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= self.text_vocab_size):
+            return "caption id out of range"
+        return None
 
     def decode(self, sample: dict[str, Any]) -> dict[str, Any] | None:
         key = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
         try:
             codes = np.load(io.BytesIO(sample["codes.npy"]))
             ids = np.load(io.BytesIO(sample["ids.npy"]))
+            if not (np.issubdtype(codes.dtype, np.integer) and np.issubdtype(ids.dtype, np.integer)):
+                raise TypeError(f"dtypes {codes.dtype}, {ids.dtype}")
         except Exception as exc:
-            self.skipped.skip(f"bad token arrays ({type(exc).__name__})", key)
+            self.skipped.skip("bad token arrays", key, type(exc).__name__)
             return None
-        if self.image_tokens is not None and codes.size != self.image_tokens:
-            self.skipped.skip(f"{codes.size} image tokens, expected {self.image_tokens}", key)
+        reason = self._bad_tokens(codes, ids)
+        if reason is not None:
+            self.skipped.skip(reason, key, f"{codes.size} codes in [{codes.min(initial=0)}, {codes.max(initial=0)}], "
+                                           f"{ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]")
             return None
         if self.tokenizer is not None and self.bpe_dropout:
             text = _text(sample, self.skipped, key)

@@ -15,7 +15,7 @@ import torch.utils.data
 from webdataset.shardlists import expand_urls
 
 
-def _is_remote(url: str) -> bool:
+def is_remote(url: str) -> bool:
     return "://" in url or url.startswith("pipe:")
 
 
@@ -27,7 +27,7 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     urls: list[str] = []
     for part in parts:
         part = str(part)
-        if not _is_remote(part) and os.path.isdir(part):
+        if not is_remote(part) and os.path.isdir(part):
             found = sorted(str(p) for p in Path(part).glob("*.tar"))
             if not found:
                 raise FileNotFoundError(f"shard directory {part!r} holds no .tar shards")
@@ -35,7 +35,7 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
         else:
             urls.extend(expand_urls(part))
     for url in urls:
-        if not _is_remote(url) and not os.path.isfile(url):
+        if not is_remote(url) and not os.path.isfile(url):
             raise FileNotFoundError(f"shard {url!r} does not exist (from {spec!r})")
     return urls
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from PIL import Image
 from webdataset import TarWriter
 
+from dalle_lightning.outputs import claim, remove_stale_shards, write_marker
 from dalle_lightning.world.render import render
 from dalle_lightning.world.scene import SPLITS, Scene, split_rng, sample_scene
 
@@ -58,15 +59,23 @@ def _write_shard(path: Path, records: Iterable[dict]) -> None:
 
 
 def write_split(out_dir: str | os.PathLike, split: str, n: int, seed: int, shard_size: int, image_size: int) -> str:
-    """Write ``n`` samples of ``split`` and return their brace pattern (``.../{000000..000003}.tar``)."""
+    """Write ``n`` samples of ``split`` and return their brace pattern (``.../{000000..000003}.tar``).
+
+    The split's folder must be new or hold image shards of an earlier run; the earlier run's shards beyond this
+    run's count are removed, so a smaller rerun never leaves stale samples for training to read.
+    """
     folder = Path(out_dir) / split
+    if not claim(folder, "images") and n == 0:
+        return ""  # nothing to write and nothing of an earlier run to clear
     folder.mkdir(parents=True, exist_ok=True)
+    write_marker(folder, "images", split=split, samples=n, seed=seed, image_size=image_size)
     rng = split_rng(seed, split, stream=0)
     n_shards = math.ceil(n / shard_size)
     for shard in range(n_shards):
         start, stop = shard * shard_size, min(n, (shard + 1) * shard_size)
         records = (sample_record(f"{i:06d}", sample_scene(rng, split, image_size), image_size) for i in range(start, stop))
         _write_shard(folder / f"{shard:06d}.tar", records)
+    remove_stale_shards(folder, keep=n_shards)
     return str(folder / f"{{{0:06d}..{n_shards - 1:06d}}}.tar")
 
 
@@ -89,6 +98,8 @@ def write_world(
             raise ValueError(f"n_{split}={n!r}; expected a non-negative integer")
     if not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size={shard_size!r}; expected a positive integer")
-    return {
-        split: write_split(out_dir, split, n, seed, shard_size, image_size) for split, n in counts.items() if n > 0
-    }
+    for split in counts:  # refuse before writing anything, not after the first split
+        claim(Path(out_dir) / split, "images")
+    # An empty split is written too: it clears the shards an earlier run with samples in that split left.
+    patterns = {split: write_split(out_dir, split, n, seed, shard_size, image_size) for split, n in counts.items()}
+    return {split: pattern for split, pattern in patterns.items() if counts[split] > 0}
