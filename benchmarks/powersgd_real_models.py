@@ -4,7 +4,7 @@
 
 - ``exact``: the largest relative parameter error of the dVAE and the prior after 3 updates at full PowerSGD
   rank against the same updates in one process on the full batch (the test asserts < 1e-5).
-- ``curve``: the prior trained ``--steps`` updates on a learnable token task (each image token is a fixed
+- ``curve``: the prior trained ``--steps`` updates (AdamW, the stage's betas) on a learnable token task (each image token is a fixed
   function of the caption) at PowerSGD rank 4 (the default) and at full rank (exact data parallelism); the
   mean training loss over all ranks every ``--every`` updates, and the final ratio of the two.
 
@@ -65,7 +65,7 @@ def _curve_worker(rank: int, world_size: int, steps: int, powersgd_rank: int) ->
     torch.manual_seed(0)
     model = DallePrior(text_vocab_size=20, text_len=TEXT_LEN, image_vocab_size=VOCAB, image_grid=GRID, n_layer=2,
                        n_head=2, d_head=16)
-    module = PriorModule(model, functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9), caption_dropout=0.0)
+    module = PriorModule(model, functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.96)), caption_dropout=0.0)
     data = task(steps * BATCH * WORLD)
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(rank, len(data), WORLD)), batch_size=BATCH)
     losses = Losses()
