@@ -398,6 +398,25 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         return ok
 
     @torch.no_grad()
+    def replica_divergence(self) -> float:
+        """Collective: the largest absolute difference between any shard and its copy on node 0.
+
+        Every node holds a full copy of the model, split over its own devices; PowerSGD must leave the copies
+        of each shard identical (0.0), or the nodes are training different models.
+        """
+        module = self.lightning_module
+        assert module is not None
+        flat = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).float()
+                          for p in module.parameters()])
+        first = flat.clone()
+        if self.device_mesh["replicate"].size() > 1:
+            dist.broadcast(first, group=self.device_mesh["replicate"].get_group(), group_src=0)
+        worst = (flat - first).abs().max().reshape(1) if flat.numel() else flat.new_zeros(1)
+        if self.world_size > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst.item())
+
+    @torch.no_grad()
     def _average_replicated(self) -> bool:
         """Average the gradients of the parameters FSDP2 left whole over every rank (one small all-reduce);
         False if one is non-finite (the same answer on every rank, as the values are then equal)."""

@@ -7,6 +7,7 @@ Each stage writes one artifact (``output``) that later stages read; an existing 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
         trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    divergence = getattr(trainer.strategy, "replica_divergence", None)
+    if callable(divergence):  # a strategy that keeps copies of each shard on several nodes checks they agree
+        metrics["replica_divergence"] = divergence()
     if not cfg.trainer.fast_dev_run:
         state = model_state_dict(trainer, module, model)  # collective under a sharding strategy: every rank calls
         if trainer.is_global_zero:
@@ -132,7 +136,8 @@ def main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    write_json({"overrides": list(hydra_cfg.overrides.task), "metrics": metrics}, run_dir / "metrics.json")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process runs this app: one writer
+        write_json({"overrides": list(hydra_cfg.overrides.task), "metrics": metrics}, run_dir / "metrics.json")
     if cfg.objective is None:
         return None
     if cfg.objective not in metrics:
