@@ -1,6 +1,7 @@
 """``make demo``: the whole pipeline on the embedded shapes world, each step a real command-line call.
 
-Steps: shapes world -> tokenizer -> dVAE -> token shards -> CLIP -> prior -> generated grid + caption
+Steps: shapes world -> tokenizer -> dVAE -> token shards -> CLIP -> prior (and a short run of it under the Strategy
+and the Precision plugin on 2 processes) -> generated grid + caption
 accuracy. Each step reuses what an earlier run already wrote (pass ``force=true`` to retrain everything).
 Prints each step's wall time and where its outputs are, and writes them to ``<out_dir>/demo.json``.
 
@@ -15,13 +16,20 @@ import sys
 import time
 from pathlib import Path
 
+TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second
 STEPS: dict[str, list[str]] = {
     "data": ["dalle_lightning.cli.data"],
     "tokenizer": ["dalle_lightning.cli.train", "stage=tokenizer"],
     "dvae": ["dalle_lightning.cli.train", "stage=dvae"],
     "encode": ["dalle_lightning.cli.encode"],
     "clip": ["dalle_lightning.cli.train", "stage=clip"],
-    "prior": ["dalle_lightning.cli.train", "stage=prior"],
+    "prior": ["dalle_lightning.cli.train", "stage=prior", TIMER],
+    # The same stage for a few updates under the project's Strategy and Precision plugin, on 2 processes (2 simulated
+    # nodes of 1 device, PowerSGD between them, per-resblock bf16 scales), so the demo exercises them end to end.
+    "prior_plugins": ["dalle_lightning.cli.train", "stage=prior", TIMER, "strategy=sharded_powersgd",
+                      "strategy.devices_per_node=1", "trainer.devices=2", "precision=resblock16", "precision.dtype=bf16",
+                      "data.batch_size=16", "trainer.max_steps=80", "callbacks.fid=null", "callbacks.sample_grid=null",
+                      "output=${paths.work_dir}/prior_plugins.pt"],
     "generate": ["dalle_lightning.cli.generate"],
     # 50 + 50 fresh captions, best of up to 16: about 45 s (the dalle-eval defaults take about 3 minutes)
     "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
@@ -42,6 +50,18 @@ def parse(argv: list[str]) -> dict[str, str]:
     return args
 
 
+def prior_rates(work: Path) -> dict[str, float]:
+    """Training rate of the prior's runs, single process and under the plugins (their metrics.json)."""
+    rates = {}
+    for run in sorted((work / "runs" / "prior").glob("*/metrics.json")):
+        blob = json.loads(run.read_text())
+        rate = blob.get("metrics", {}).get("time/updates_per_s")
+        if rate is not None:
+            key = "plugins_2_processes" if "strategy=sharded_powersgd" in blob.get("overrides", []) else "single_process"
+            rates[key] = round(rate, 2)
+    return rates
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     work = Path(args["out_dir"]).resolve()
@@ -60,8 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         if result.returncode != 0:
             raise SystemExit(f"error: demo step {step!r} failed with exit code {result.returncode}")
         print(f"== {step}: {timings[step]} s", flush=True)
-    summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1)}
-    for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "samples", "eval.json"):
+    summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
+               "prior_updates_per_s": prior_rates(work)}
+    for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "prior_plugins.pt", "samples",
+                 "eval.json"):
         if (work / name).exists():
             summary.setdefault("outputs", {})[name] = str(work / name)
     grids = sorted(work.glob("runs/dvae/*/recon_*.png")) + sorted(work.glob("runs/dvae/*/**/recon_*.png"))

@@ -278,6 +278,16 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._uncompressed = embedding_param_names(module) | {
             n for n, _ in module.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.uncompressed_patterns)
         }
+        if self.device_mesh["shard"].size() == 1:
+            # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
+            # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
+            if self.activation_checkpointing:
+                for _, block in blocks:
+                    checkpoint_activations(block)
+            module.to(self.root_device)
+            self._replicated = []
+            self._broadcast_replicas(module)
+            return ShardedRoot(module)
         root = shard_module(
             module,
             [b for _, b in blocks],
@@ -329,7 +339,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             locals_ = [p.to_local() for p in module.parameters() if hasattr(p, "to_local")]
             _broadcast_flat(locals_, replicate.get_group())
         whole = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
-        whole += [p.data for p in self._replicated]  # parameters FSDP2 left whole: the same on every rank
+        whole += [p.data for p in module.parameters() if not hasattr(p, "to_local")]  # parameters left whole
         if whole and self.world_size > 1:
             _broadcast_flat(whole, None)
 

@@ -90,6 +90,10 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
         trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    for callback in callbacks:  # e.g. callbacks.step_timer.StepTimer: training rate without validation
+        rate = getattr(callback, "updates_per_s", None)
+        if isinstance(rate, float):
+            metrics["time/updates_per_s"] = rate
     divergence = getattr(trainer.strategy, "replica_divergence", None)
     if callable(divergence):  # a strategy that keeps copies of each shard on several nodes checks they agree
         metrics["replica_divergence"] = divergence()
