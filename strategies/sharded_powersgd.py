@@ -23,6 +23,7 @@ on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGD
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -240,6 +241,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # setup_environment is skipped on purpose: it would build ModelParallelStrategy's own (TP) mesh.
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Lightning's launcher divides the cores among its processes only in the process that launches the
+            # others (after starting them): every other rank would run as many threads as there are cores.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         self._setup_distributed()
         backend = self._get_process_group_backend()
         per_node = self.devices_per_node or self.num_processes
