@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from strategies.dcp_checkpoint import export_full_state_dict, load_sharded, pack, rank_key, save_sharded, unpack
+from strategies.dtypes import resolve_dtype
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
@@ -79,15 +80,6 @@ class ShardedRoot(nn.Module):
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-
-def _resolve_dtype(spec: torch.dtype | str | None) -> torch.dtype | None:
-    if spec is None or isinstance(spec, torch.dtype):
-        return spec
-    dtype = getattr(torch, str(spec).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {spec!r} is not a torch dtype name such as 'bfloat16'")
-    return dtype
 
 
 def embedding_param_names(module: nn.Module) -> set[str]:
@@ -181,7 +173,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.prefetch_depth = prefetch_depth
         self.activation_checkpointing = activation_checkpointing
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=_resolve_dtype(param_dtype), reduce_dtype=_resolve_dtype(reduce_dtype))
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
         self.uncompressed_patterns = list(uncompressed_patterns)
         self._powersgd_kwargs: dict[str, Any] = dict(
             rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
