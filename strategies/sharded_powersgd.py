@@ -54,7 +54,7 @@ from strategies.dtypes import resolve_dtype
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
-from strategies.protocol import find_resblocks, resolve_block_class
+from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -283,13 +283,12 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
         result = closure()
         precision = self.precision_plugin
-        unscale = getattr(precision, "unscale_and_flag", None)
-        if callable(unscale):
+        if isinstance(precision, UnscalingPrecision):
             # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
             # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
             # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
             # collectives or none does.
-            if unscale(optimizer) and not self.reduce_gradients():
+            if precision.unscale_and_flag(optimizer) and not self.reduce_gradients():
                 precision.mark_nonfinite()
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
         if not self.reduce_gradients():
