@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dalle_lightning.models.masks import check_kind, default_conv_kernel, default_row_window, full_mask, image_mask
+from dalle_lightning.models.masks import (
+    check_kind,
+    default_conv_kernel,
+    default_row_window,
+    full_mask,
+    image_mask,
+    text_causal_mask,
+)
 
 ATTENTION_IMPLS = ("sparse", "dense", "flex")
 
@@ -84,7 +91,8 @@ def _dense_mask(layout: AttentionLayout, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    """The text region's mask, built once per length and device instead of in every call of every layer."""
+    return text_causal_mask(length, device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,7 +122,7 @@ def column_tables(layout: AttentionLayout, device: torch.device) -> torch.Tensor
     """``mask[height, n_text + height]`` for transposed column attention: all text keys, causal within the column."""
     h = layout.height
     text = torch.ones(h, layout.n_text, dtype=torch.bool, device=device)
-    return torch.cat([text, torch.ones(h, h, dtype=torch.bool, device=device).tril()], dim=-1)
+    return torch.cat([text, text_causal_mask(h, device)], dim=-1)
 
 
 @functools.lru_cache(maxsize=64)
