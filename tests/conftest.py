@@ -1,4 +1,4 @@
-"""Shared fixtures: run the real Hydra apps in-process, and a tiny shapes-world pipeline on disk."""
+"""Shared fixtures: run the real Hydra apps in-process, and a tiny shapes-world pipeline on disk; the ``cuda`` skip."""
 
 from __future__ import annotations
 
@@ -42,3 +42,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``cuda``-marked tests on machines without enough GPUs, so they can live beside the CPU tests."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        needed = int(marker.kwargs.get("devices", 1))
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {available}"))
