@@ -1,10 +1,10 @@
 """PowerSGD compressor: exactness at full rank, convergence with error feedback, grouped collectives, skipping,
 wire dtypes, checkpoints, and the Householder orthogonalisation.
 
-The multi-process checks run in real gloo process groups (tests/helpers/distributed.py). To keep process start-up off the
-clock they share one 4-process run (2 "nodes" x 2 "devices": replicate groups {0, 2} and {1, 3}) whose
-measurements the individual tests then assert on; the references are computed independently in the workers
-(exact means through all_gather, hand-counted bytes).
+The multi-process checks run in real gloo process groups (tests/helpers/distributed.py). To keep process
+start-up off the clock they share one 4-process run (2 "nodes" x 2 "devices": replicate groups {0, 2} and
+{1, 3}) whose measurements the individual tests then assert on; the references are computed independently in
+the workers (exact means through all_gather, hand-counted bytes).
 """
 
 from __future__ import annotations
