@@ -34,10 +34,12 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
-@pytest.fixture
+@pytest.fixture(scope="session", autouse=True)
 def one_thread() -> Iterator[None]:
-    """Tiny models (and tiny fp16 matmuls) run far faster on one thread: thread start-up costs more than it
-    saves, and the CI machine's 2 cores are shared. Modules opt in with ``pytest.mark.usefixtures("one_thread")``."""
+    """Every test runs torch on one intra-op thread. The models here are tiny, so thread start-up costs more than
+    it saves, and on the shared 2-core machine two threads per process contend with every other process: a tiny
+    dVAE training test then takes seconds instead of half a second. Session-wide, so module fixtures run on one
+    thread too; worker processes set their own."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

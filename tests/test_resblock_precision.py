@@ -24,9 +24,6 @@ from tests.helpers.deep_residual import (DeepResidual, autocast_branches, branch
 from tests.helpers.distributed import run_distributed
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
-
-
 def _rel_err(a: Tensor, b: Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 

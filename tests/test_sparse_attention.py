@@ -18,9 +18,6 @@ from dalle_lightning.models.sparse_attention import (
 )
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
-
-
 def keys(mask: torch.Tensor, query: int) -> set[int]:
     return set(mask[query].nonzero().flatten().tolist())
 
