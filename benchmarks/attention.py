@@ -18,8 +18,9 @@ import torch
 from omegaconf import OmegaConf
 
 from dalle_lightning.models.sparse_attention import AttentionLayout, dense_attention, sparse_attention
+from strategies.dtypes import resolve_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")  # the input dtypes worth timing on CPU
 
 
 def fwd_bwd_seconds(fn, layout: AttentionLayout, batch: int, heads: int, d_head: int, dtype: torch.dtype,
@@ -41,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -54,7 +55,7 @@ def main() -> None:
         for kind in ("row", "column", "conv"):
             layout = AttentionLayout(kind, n_text, grid, grid)
             times = {
-                name: fwd_bwd_seconds(fn, layout, batch, args.heads, d_head, DTYPES[args.dtype], args.repeats)
+                name: fwd_bwd_seconds(fn, layout, batch, args.heads, d_head, resolve_dtype(args.dtype), args.repeats)
                 for name, fn in (("sparse", sparse_attention), ("dense", dense_attention))
             }
             results.append({

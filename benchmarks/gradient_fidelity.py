@@ -20,94 +20,33 @@ exact zeros among the branch gradients, the skipped updates and the final log2 s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
 from strategies.resblock_precision import ResblockScalingPrecision  # noqa: E402
-
-
-class Branch(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, width)
-        self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, gain: float) -> None:
-        super().__init__()
-        self.branch = Branch(width)
-        self.gain = nn.Parameter(torch.tensor([gain]))  # fp32, outside the branch
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.gain * self.branch(x)
-
-
-class DeepResidual(nn.Module):
-    def __init__(self, depth: int, width: int, decay: float) -> None:
-        super().__init__()
-        self.stem = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(Block(width, 2.0 ** (-decay * (depth - 1 - i))) for i in range(depth))
-        self.head = nn.Linear(width, width)
-
-    def resblocks(self) -> list[nn.Module]:
-        return [b.branch for b in self.blocks]
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def branch_grads(model: DeepResidual) -> list[Tensor]:
-    return [torch.cat([p.grad.flatten() for p in b.branch.parameters()]).double() for b in model.blocks]
-
-
-def cosine(a: Tensor, b: Tensor) -> float:
-    """float64, no eps clamp: early blocks' gradients are far below F.cosine_similarity's eps of 1e-8."""
-    return (a @ b / (a.norm() * b.norm())).item() if a.norm() > 0 else 0.0
+from tests.helpers.deep_residual import (  # noqa: E402
+    DeepResidual,
+    autocast_branches,
+    branch_grads,
+    cosine,
+    regression_data,
+    squared_error,
+)
 
 
 def summarize(grads: list[Tensor], reference: list[Tensor], **extra: Any) -> dict[str, Any]:
     cos = [cosine(g, r) for g, r in zip(grads, reference)]
     zeros = torch.cat(grads).eq(0).double().mean().item()
     return {"min_cosine": min(cos), "median_cosine": statistics.median(cos), "zero_share": zeros, **extra}
-
-
-@contextlib.contextmanager
-def autocast_branches(model: DeepResidual) -> Iterator[None]:
-    stack: list[torch.autocast] = []
-
-    def pre(module: nn.Module, args: tuple) -> None:
-        stack.append(torch.autocast("cpu", dtype=torch.float16, cache_enabled=False))
-        stack[-1].__enter__()
-
-    def post(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        stack.pop().__exit__(None, None, None)
-        return out.float()
-
-    branches = [b.branch for b in model.blocks]
-    handles = [h for m in branches for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def run_gradscaler(model: DeepResidual, loss_fn: Callable[[], Tensor], updates: int) -> tuple[list[Tensor], dict]:
@@ -168,11 +107,10 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model = DeepResidual(args.depth, args.width, args.decay)
-    g = torch.Generator().manual_seed(args.seed)
-    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
+    x, y = regression_data(args.width, args.batch, args.seed)
 
     def loss_fn() -> Tensor:
-        return ((model(x) - y) ** 2).sum()
+        return squared_error(model, x, y)
 
     model.zero_grad()
     loss_fn().backward()

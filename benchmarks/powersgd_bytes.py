@@ -19,12 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from dist_utils import run_distributed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
 from strategies.compression_report import compression_report, default_uncompressed  # noqa: E402
 from strategies.powersgd import PowerSGD  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 
 class Block(nn.Module):

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 from tests.test_strategy_common import external_launch_env, trainer  # noqa: E402
 from tests.test_strategy_exact_models import (  # noqa: E402
     WORLD,

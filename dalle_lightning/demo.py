@@ -31,7 +31,7 @@ STEPS: dict[str, list[str]] = {
                       "data.batch_size=16", "trainer.max_steps=80", "callbacks.fid=null", "callbacks.sample_grid=null",
                       "output=${paths.work_dir}/prior_plugins.pt"],
     "generate": ["dalle_lightning.cli.generate"],
-    # 50 + 50 fresh captions, best of up to 16: about 45 s (the dalle-eval defaults take about 3 minutes)
+    # 50 + 50 fresh captions, best of up to 16: a fraction of the dalle-eval defaults' time (docs/results.md)
     "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
 }
 FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}

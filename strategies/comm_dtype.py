@@ -10,26 +10,14 @@ from __future__ import annotations
 
 import torch
 
-COMM_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+from strategies.dtypes import resolve_dtype
+
+COMM_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_comm_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """Accept a torch dtype or a config string ("fp32", "bf16", "fp16", ...); reject anything else."""
-    if isinstance(dtype, str):
-        key = dtype.removeprefix("torch.").lower()
-        if key not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype={dtype!r} is not supported; expected one of {sorted(COMM_DTYPES)}")
-        return COMM_DTYPES[key]
-    if dtype not in COMM_DTYPES.values():
-        raise ValueError(f"comm_dtype={dtype} is not supported; expected torch.float32, torch.bfloat16 or torch.float16")
-    return dtype
+    return resolve_dtype(dtype, allowed=COMM_DTYPES, what="comm_dtype")
 
 
 def comm_limit(dtype: torch.dtype, summands: int = 1) -> float:

@@ -1,7 +1,7 @@
-"""How the strategy and the precision plugin find a model's resblocks.
+"""The protocols through which the plugins meet a model and each other.
 
-A *resblock* here is a residual branch: a module ``f`` whose output the parent adds to an identity path,
-``x + f(x)``. The sharding strategy makes each one an FSDP unit; the precision plugin gives each one its own
+**Resblocks.** A *resblock* here is a residual branch: a module ``f`` whose output the parent adds to an identity
+path, ``x + f(x)``. The sharding strategy makes each one an FSDP unit; the precision plugin gives each one its own
 gradient scale. A stranger's model can take part in three ways, tried in this order:
 
 1. explicit module classes and/or fnmatch name patterns (from config), matched against ``named_modules()``;
@@ -11,6 +11,11 @@ gradient scale. A stranger's model can take part in three ways, tried in this or
 
 Names are qualified relative to the root module passed in, so they are stable across runs and usable in logs,
 configs and state dicts.
+
+**Strategy and precision plugin.** A strategy that transforms gradients between the backward and the update
+(``ShardedPowerSGDStrategy`` compresses them between nodes) must see them unscaled, and a skipped step must back
+off the right loss scale. A precision plugin that satisfies :class:`UnscalingPrecision` lets it: the strategy
+asks it to unscale and flag, reduces, and reports a non-finite result back; the plugin keeps the skip decision.
 """
 
 from __future__ import annotations
@@ -18,10 +23,37 @@ from __future__ import annotations
 import fnmatch
 import importlib
 from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 from torch import nn
+from torch.optim import Optimizer
 
 RESBLOCKS_METHOD = "resblocks"
+
+
+@runtime_checkable
+class UnscalingPrecision(Protocol):
+    """What a strategy may ask of a precision plugin that scales gradients (``ResblockScalingPrecision``).
+
+    The strategy calls, once per optimizer step after the final backward and before its own reduction:
+
+    1. ``unscale_and_flag(optimizer)``: divide every gradient by its scale now, agree on non-finite flags across
+       all ranks (a collective: every rank must call it), and return True if every gradient is finite. The
+       plugin's next ``optimizer_step`` reuses these flags instead of unscaling again.
+    2. ``mark_nonfinite()``, only if 1. returned True and the strategy's own reduction then found a non-finite
+       value: the coming update is skipped like any overflow outside the blocks (no scale backs off).
+
+    Checked with ``isinstance`` at run time, so a plugin takes part by defining both methods, without
+    inheriting from anything here.
+    """
+
+    def unscale_and_flag(self, optimizer: Optimizer) -> bool:
+        """Unscale all gradients in place, agree on the flags across ranks; True when all are finite."""
+        ...
+
+    def mark_nonfinite(self) -> None:
+        """Make the coming update a skipped one (after a True from :meth:`unscale_and_flag`)."""
+        ...
 
 
 def _qualify(root: nn.Module, modules: Iterable[object]) -> list[tuple[str, nn.Module]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -34,13 +34,14 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from strategies.dtypes import resolve_dtype
 from strategies.grad_filter import BranchBoundaries
 from strategies.protocol import find_resblocks, resolve_block_class
 from strategies.scale_rules import BlockScales, ScaleRules
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The branch compute dtypes, and the Lightning precision name each corresponds to.
+_LIGHTNING_NAMES: dict[torch.dtype, str] = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
 GRADIENT_REDUCTION_ATTR = "gradient_reduction"  # "mean" (default) or "sum": how a strategy reduces gradients
-_LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 
 
 def _local(t: Tensor) -> Tensor:
@@ -53,7 +54,7 @@ class ResblockScalingPrecision(Precision):
     """Per-resblock gradient scales ``M * 2**x`` with 16-bit residual branches and an fp32 identity path.
 
     Args:
-        dtype: "fp16" or "bf16", the compute dtype inside residual branches.
+        dtype: "fp16" or "bf16" (or the torch dtype), the compute dtype inside residual branches.
         block_classes / block_patterns: which modules are resblocks (classes or dotted paths; fnmatch patterns on
             qualified names). Default: the model's ``resblocks()`` (see ``strategies/protocol.py``).
         replicas: ``M``; default derived from how the strategy reduces gradients: 1 where it averages them
@@ -65,7 +66,7 @@ class ResblockScalingPrecision(Precision):
 
     def __init__(
         self,
-        dtype: Literal["fp16", "bf16"] = "fp16",
+        dtype: str | torch.dtype = "fp16",
         block_classes: Sequence[type[nn.Module] | str] | None = None,
         block_patterns: Sequence[str] | None = None,
         replicas: int | None = None,
@@ -78,12 +79,11 @@ class ResblockScalingPrecision(Precision):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r}, expected one of {sorted(_DTYPES)}")
+        branch_dtype = resolve_dtype(dtype, allowed=_LIGHTNING_NAMES, what="dtype")
         if replicas is not None and (int(replicas) != replicas or replicas < 1):
             raise ValueError(f"replicas={replicas}, expected a positive integer or None (= data-parallel size)")
-        self.precision = _LIGHTNING_NAMES[dtype]  # type: ignore[assignment]
-        self.dtype = _DTYPES[dtype]
+        self.precision = _LIGHTNING_NAMES[branch_dtype]  # type: ignore[assignment]
+        self.dtype = branch_dtype
         self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
         self.replicas = replicas

@@ -60,10 +60,11 @@ from strategies.dcp_checkpoint import (
     save_sharded,
     unpack,
 )
+from strategies.dtypes import resolve_dtype
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
-from strategies.protocol import find_resblocks, resolve_block_class
+from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -90,15 +91,6 @@ class ShardedRoot(nn.Module):
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-
-def _resolve_dtype(spec: torch.dtype | str | None) -> torch.dtype | None:
-    if spec is None or isinstance(spec, torch.dtype):
-        return spec
-    dtype = getattr(torch, str(spec).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {spec!r} is not a torch dtype name such as 'bfloat16'")
-    return dtype
 
 
 def embedding_param_names(module: nn.Module) -> set[str]:
@@ -213,7 +205,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.prefetch_depth = prefetch_depth
         self.activation_checkpointing = activation_checkpointing
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=_resolve_dtype(param_dtype), reduce_dtype=_resolve_dtype(reduce_dtype))
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
         self.uncompressed_patterns = list(uncompressed_patterns)
         self._powersgd_kwargs: dict[str, Any] = dict(
             rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
@@ -378,13 +370,12 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
         result = closure()
         precision = self.precision_plugin
-        unscale = getattr(precision, "unscale_and_flag", None)
-        if callable(unscale):
+        if isinstance(precision, UnscalingPrecision):
             # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
             # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
             # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
             # collectives or none does.
-            if unscale(optimizer) and not self.reduce_gradients():
+            if precision.unscale_and_flag(optimizer) and not self.reduce_gradients():
                 precision.mark_nonfinite()
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
         if not self.reduce_gradients():

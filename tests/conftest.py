@@ -1,4 +1,4 @@
-"""Shared fixtures: run the real Hydra apps in-process, and a tiny shapes-world pipeline on disk."""
+"""Shared fixtures: run the real Hydra apps in-process, and a tiny shapes-world pipeline on disk; the ``cuda`` skip."""
 
 from __future__ import annotations
 
@@ -74,11 +74,25 @@ def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
-@pytest.fixture
+@pytest.fixture(scope="session", autouse=True)
 def one_thread() -> Iterator[None]:
-    """Tiny models (and tiny fp16 matmuls) run far faster on one thread: thread start-up costs more than it
-    saves, and the CI machine's 2 cores are shared. Modules opt in with ``pytest.mark.usefixtures("one_thread")``."""
+    """Every test runs torch on one intra-op thread. The models here are tiny, so thread start-up costs more than
+    it saves, and on the shared 2-core machine two threads per process contend with every other process: a tiny
+    dVAE training test then takes seconds instead of half a second. Session-wide, so module fixtures run on one
+    thread too; worker processes set their own."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``cuda``-marked tests on machines without enough GPUs, so they can live beside the CPU tests."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        needed = int(marker.kwargs.get("devices", 1))
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {available}"))

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from callbacks.contrastive import ContrastiveScore
 from callbacks.fid import ClipImageFeatures, FIDCallback, build_fid
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 N_VAL, BATCH, SIZE = 24, 6, 16
 
@@ -171,6 +171,7 @@ def _two_rank_worker(rank: int, world_size: int) -> tuple[float, float]:
     return out["val/fid_custom"], out["val/clip_score"]
 
 
+@pytest.mark.distributed
 def test_two_ranks_compute_the_fid_of_all_images() -> None:
     results = run_distributed(_two_rank_worker, 2, timeout=120)
     real = val_images()

@@ -1,10 +1,10 @@
 """PowerSGD compressor: exactness at full rank, convergence with error feedback, grouped collectives, skipping,
 wire dtypes, checkpoints, and the Householder orthogonalisation.
 
-The multi-process checks run in real gloo process groups (tests/dist_utils.py). To keep process start-up off the
-clock they share one 4-process run (2 "nodes" x 2 "devices": replicate groups {0, 2} and {1, 3}) whose
-measurements the individual tests then assert on; the references are computed independently in the workers
-(exact means through all_gather, hand-counted bytes).
+The multi-process checks run in real gloo process groups (tests/helpers/distributed.py). To keep process
+start-up off the clock they share one 4-process run (2 "nodes" x 2 "devices": replicate groups {0, 2} and
+{1, 3}) whose measurements the individual tests then assert on; the references are computed independently in
+the workers (exact means through all_gather, hand-counted bytes).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from strategies.comm_dtype import resolve_comm_dtype, to_comm
 from strategies.householder import orthogonalize
 from strategies.powersgd import PowerSGD, plan_rank
@@ -233,6 +233,7 @@ def four_ranks() -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.distributed
 def test_full_rank_equals_exact_averaging(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         r = res["full_rank"]
@@ -243,6 +244,7 @@ def test_full_rank_equals_exact_averaging(four_ranks: list[dict]) -> None:
             assert r[f"warm={warm}/compressed"] == ["conv.weight", "fc.weight", "wide"]
 
 
+@pytest.mark.distributed
 def test_replicas_agree_at_low_rank(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         r = res["low_rank"]
@@ -252,6 +254,7 @@ def test_replicas_agree_at_low_rank(four_ranks: list[dict]) -> None:
         assert r["low_rank_inexact"] > 1e-3  # rank 1 really compresses (the check above is not vacuous)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("key", ["collectives_fp32", "collectives_bf16"])
 def test_one_grouped_all_reduce_each_for_flag_dense_p_q(four_ranks: list[dict], key: str) -> None:
     for res in four_ranks:
@@ -260,6 +263,7 @@ def test_one_grouped_all_reduce_each_for_flag_dense_p_q(four_ranks: list[dict], 
         assert r["bytes"] == r["expected_bytes"]
 
 
+@pytest.mark.distributed
 def test_non_finite_on_one_rank_skips_everywhere(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         r = res["skip"]
@@ -268,6 +272,7 @@ def test_non_finite_on_one_rank_skips_everywhere(four_ranks: list[dict]) -> None
         assert r["skipped"][:2] == (1, 3)
 
 
+@pytest.mark.distributed
 def test_bf16_and_fp16_factors(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         r = res["wire"]
@@ -278,6 +283,7 @@ def test_bf16_and_fp16_factors(four_ranks: list[dict]) -> None:
         assert r["huge"] == (True, True, True, True)
 
 
+@pytest.mark.distributed
 def test_start_step_uses_plain_all_reduce(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         r = res["start_step"]
@@ -285,6 +291,7 @@ def test_start_step_uses_plain_all_reduce(four_ranks: list[dict]) -> None:
         assert r["sent"][0][0] == r["sent"][0][1] and r["sent"][2][0] < r["sent"][2][1]
 
 
+@pytest.mark.distributed
 def test_state_dict_round_trip_continues_identically(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         r = res["state_dict"]
@@ -335,6 +342,7 @@ def _convergence_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_error_feedback_matches_exact_averaging_and_no_feedback_does_not() -> None:
     """With a fixed Q (the paper's choice) and no error feedback, SGD only ever moves the few directions the
     compressed gradient reaches and stalls; error feedback restores the missing mass over later steps."""

@@ -16,9 +16,6 @@ from strategies.protocol import find_resblocks
 TINY = dict(text_vocab_size=40, text_len=7, image_vocab_size=24, image_grid=5, n_layer=4, n_head=2, d_head=8)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
-
-
 def tiny(seed: int = 0, **overrides) -> DallePrior:
     torch.manual_seed(seed)
     return DallePrior(**{**TINY, **overrides})

@@ -6,169 +6,65 @@ same branches under autocast, and gradients worked out from the residual structu
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from tests.dist_utils import run_distributed
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from strategies.resblock_precision import ResblockScalingPrecision
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
-
-
-# --------------------------------------------------------------------------------------------------- the model
-class _Overflow(torch.autograd.Function):
-    """Identity forward; backward multiplies by 1e30, which overflows any 16-bit gradient to Inf."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad * 1e30
-
-
-class Branch(nn.Module):
-    """Linear -> GELU -> Linear. ``poison`` injects an overflow into backward at its "input" or "hidden" layer."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, width)
-        self.fc2 = nn.Linear(width, width)
-        self.poison: str | None = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.poison == "input":
-            x = _Overflow.apply(x)
-        h = F.gelu(self.fc1(x))
-        if self.poison == "hidden":
-            h = _Overflow.apply(h)
-        return self.fc2(h)
-
-
-class Block(nn.Module):
-    """``x + gain * branch(x)``; the gain is an fp32 parameter outside the branch, as in the paper."""
-
-    def __init__(self, width: int, gain: float) -> None:
-        super().__init__()
-        self.branch = Branch(width)
-        self.gain = nn.Parameter(torch.tensor([gain]))  # 1-D: FSDP2 cannot shard scalars
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.gain * self.branch(x)
-
-
-class DeepResidual(nn.Module):
-    """fp32 stem -> ``depth`` blocks -> fp32 head. Gains shrink by 2**-decay per block towards the input, so the
-    branches' gradients span ~decay*depth binades: more than fp16 can hold under one scale."""
-
-    def __init__(self, depth: int = 32, width: int = 16, decay: float = 1.25) -> None:
-        super().__init__()
-        self.stem = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(Block(width, 2.0 ** (-decay * (depth - 1 - i))) for i in range(depth))
-        self.head = nn.Linear(width, width)
-        self.identity_grads: dict[int, Tensor] | None = None  # set to {} to record dL/d(input of block i)
-
-    def resblocks(self) -> list[tuple[str, nn.Module]]:
-        return [(f"blocks.{i}.branch", b.branch) for i, b in enumerate(self.blocks)]
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
-        for i, block in enumerate(self.blocks):
-            if self.identity_grads is not None and x.requires_grad:
-                x.register_hook(lambda g, i=i: self.identity_grads.__setitem__(i, g))  # type: ignore[union-attr]
-            x = block(x)
-        return self.head(x)
-
-
-def _data(width: int = 16, n: int = 16, seed: int = 0) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
-
-
-def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    return ((model(x) - y) ** 2).sum()
-
-
-def _branch_grads(model: DeepResidual) -> list[Tensor]:
-    return [torch.cat([p.grad.flatten() for p in b.branch.parameters()]).double() for b in model.blocks]
-
-
-def _cosine(a: Tensor, b: Tensor) -> float:
-    """In float64 without an eps clamp: the early blocks' true gradients are ~1e-11 (F.cosine_similarity's eps
-    of 1e-8 would report 0)."""
-    return (a @ b / (a.norm() * b.norm())).item() if a.norm() > 0 else 0.0
+from tests.helpers.deep_residual import (DeepResidual, autocast_branches, branch_grads, cosine, regression_data,
+                                         squared_error)
+from tests.helpers.distributed import run_distributed
 
 
 def _rel_err(a: Tensor, b: Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@contextlib.contextmanager
-def _autocast_branches(model: DeepResidual) -> Iterator[None]:
-    """The global-scale baseline: the same branches in fp16 via autocast, fp32 identity, no per-block scaling."""
-    stack: list[torch.autocast] = []
-
-    def pre(module: nn.Module, args: tuple) -> None:
-        stack.append(torch.autocast("cpu", dtype=torch.float16, cache_enabled=False))
-        stack[-1].__enter__()
-
-    def post(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        stack.pop().__exit__(None, None, None)
-        return out.float()
-
-    branches = [b.branch for b in model.blocks]
-    handles = [h for m in branches for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 # ------------------------------------------------------------------------------------------ gradient fidelity
 def test_per_block_scales_keep_every_block_where_one_global_scale_underflows() -> None:
     torch.manual_seed(0)
     model = DeepResidual()
-    x, y = _data()
+    x, y = regression_data()
     model.zero_grad()
-    _loss(model, x, y).backward()
-    reference = _branch_grads(model)
+    squared_error(model, x, y).backward()
+    reference = branch_grads(model)
 
     # One global scale, torch.amp.GradScaler at its defaults: the last blocks overflow until the scale fits them.
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the model (and the fp32 reference) stay fixed
     scaler = torch.amp.GradScaler("cpu")
     global_grads = None
-    with _autocast_branches(model):
+    with autocast_branches(model):
         for _ in range(8):
             opt.zero_grad()
-            scaler.scale(_loss(model, x, y)).backward()
+            scaler.scale(squared_error(model, x, y)).backward()
             scaler.unscale_(opt)
             if all(torch.isfinite(p.grad).all() for p in model.parameters()):
-                global_grads = _branch_grads(model)
+                global_grads = branch_grads(model)
             scaler.step(opt)
             scaler.update()
     assert global_grads is not None and scaler.get_scale() < 2**16  # it did have to back off
-    global_cos = [_cosine(g, r) for g, r in zip(global_grads, reference)]
+    global_cos = [cosine(g, r) for g, r in zip(global_grads, reference)]
     global_zeros = [(g == 0).double().mean().item() for g in global_grads]
     worst = min(range(len(global_cos)), key=global_cos.__getitem__)
     assert global_cos[worst] < 0.9 and global_zeros[worst] > 0.5, (global_cos, global_zeros)
 
-    # Per-resblock scales: the paper's rules time-compressed (x2 growth per update instead of x2 per 1000, no
-    # cooldown) so the scales reach in ~40 updates the spread the paper's rules reach in ~11k.
+    _check_per_block_scales_keep_every_block(model, x, y, reference)
+
+
+def _check_per_block_scales_keep_every_block(
+    model: DeepResidual, x: Tensor, y: Tensor, reference: list[Tensor]
+) -> None:
+    """Per-resblock scales: the paper's rules time-compressed (x2 growth per update instead of x2 per 1000, no
+    cooldown) so the scales reach in ~40 updates the spread the paper's rules reach in ~11k."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     plugin = ResblockScalingPrecision("fp16", growth_factor=2.0, cooldown=0)
     plugin.convert_module(model)
     per_block = None
@@ -177,21 +73,33 @@ def test_per_block_scales_keep_every_block_where_one_global_scale_underflows() -
 
         def closure() -> Tensor:
             opt.zero_grad()
-            loss = _loss(model, x, y)
+            loss = squared_error(model, x, y)
             loss.backward()
             return loss
 
         plugin.optimizer_step(opt, model, closure)
         if plugin.scales.skipped == skipped:
-            per_block = _branch_grads(model)
+            per_block = branch_grads(model)
     plugin.teardown()
     assert per_block is not None
     log2 = plugin.scales.log2
     assert log2[0] - log2[-1] >= 8  # early blocks grew towards the cap, the last ones had to stay low
-    cos = [_cosine(g, r) for g, r in zip(per_block, reference)]
+    cos = [cosine(g, r.to(g.device)) for g, r in zip(per_block, reference)]
     assert min(cos) >= 0.999, cos
-    assert max(_rel_err(g, r) for g, r in zip(per_block, reference)) < 1e-2  # unscaled, not just aligned
+    assert max(_rel_err(g, r.to(g.device)) for g, r in zip(per_block, reference)) < 1e-2  # unscaled, not just aligned
     assert max((g == 0).double().mean().item() for g in per_block) == 0.0
+
+
+@pytest.mark.cuda
+def test_per_block_scales_keep_every_block_on_cuda() -> None:
+    """The same fidelity with fp16 branches under CUDA autocast (the paper's setting) against fp32 on the GPU."""
+    torch.manual_seed(0)
+    model = DeepResidual().cuda()
+    x, y = (t.cuda() for t in regression_data())
+    squared_error(model, x, y).backward()
+    reference = branch_grads(model)
+    model.zero_grad()
+    _check_per_block_scales_keep_every_block(model, x, y, reference)
 
 
 # ------------------------------------------------------------------------------------------ overflow filtering
@@ -202,14 +110,14 @@ def _adam_state(opt: torch.optim.Optimizer) -> list[Tensor]:
 def test_overflow_in_one_block_is_filtered_backed_off_and_skipped() -> None:
     torch.manual_seed(0)
     model = DeepResidual(depth=8, width=8, decay=0.5)
-    x, y = _data(width=8, n=4)
+    x, y = regression_data(width=8, n=4)
     plugin = ResblockScalingPrecision("fp16", cooldown=125)
     plugin.convert_module(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
     def closure() -> Tensor:
         opt.zero_grad()
-        loss = _loss(model, x, y)
+        loss = squared_error(model, x, y)
         loss.backward()
         return loss
 
@@ -250,38 +158,38 @@ def test_overflow_in_one_block_is_filtered_backed_off_and_skipped() -> None:
 def test_accumulated_micro_batches_share_one_scale() -> None:
     torch.manual_seed(0)
     model = DeepResidual(depth=4, width=8, decay=1.0)
-    batches = [_data(width=8, n=4, seed=s) for s in (1, 2)]
+    batches = [regression_data(width=8, n=4, seed=s) for s in (1, 2)]
     for x, y in batches:
-        (_loss(model, x, y) * 1e-3).backward()  # fp32 reference: the gradient of the sum of both micro-batches
-    reference = _branch_grads(model)
+        (squared_error(model, x, y) * 1e-3).backward()  # fp32 reference: the gradient of the sum of both micro-batches
+    reference = branch_grads(model)
     model.zero_grad()
     plugin = ResblockScalingPrecision("fp16")
     plugin.convert_module(model)
 
     def accumulate() -> float:
         for x, y in batches:  # what Lightning does with accumulate_grad_batches=2: backward twice, step once
-            (_loss(model, x, y) * 1e-3).backward()
+            (squared_error(model, x, y) * 1e-3).backward()
         return 0.0
 
     plugin.optimizer_step(torch.optim.SGD(model.parameters(), lr=0.0), model, accumulate)
     assert plugin.scales.skipped == 0
-    assert max(_rel_err(g, r) for g, r in zip(_branch_grads(model), reference)) < 1e-2
+    assert max(_rel_err(g, r) for g, r in zip(branch_grads(model), reference)) < 1e-2
     plugin.teardown()
 
 
 def test_bf16_branches_match_fp32_and_bad_config_raises() -> None:
     torch.manual_seed(0)
     model = DeepResidual(depth=4, width=8, decay=0.0)
-    x, y = _data(width=8, n=4)
-    _loss(model, x, y).backward()
-    reference = _branch_grads(model)
+    x, y = regression_data(width=8, n=4)
+    squared_error(model, x, y).backward()
+    reference = branch_grads(model)
     model.zero_grad()
     plugin = ResblockScalingPrecision("bf16")
     plugin.convert_module(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    plugin.optimizer_step(opt, model, lambda: _loss(model, x, y).backward() or 0.0)
+    plugin.optimizer_step(opt, model, lambda: squared_error(model, x, y).backward() or 0.0)
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
-    assert min(_cosine(g, r) for g, r in zip(_branch_grads(model), reference)) > 0.99  # bf16: 8-bit mantissa
+    assert min(cosine(g, r) for g, r in zip(branch_grads(model), reference)) > 0.99  # bf16: 8-bit mantissa
     plugin.teardown()
     with pytest.raises(ValueError, match="dtype"):
         ResblockScalingPrecision("fp8")  # type: ignore[arg-type]
@@ -319,13 +227,13 @@ class ResidualTask(pl.LightningModule):
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         armed = self.global_step == self.poison_step and self.poison_rank in (None, self.global_rank)
         self.net.blocks[self.poison_block].branch.poison = self.poison_where if armed else None
-        return _loss(self.net, *batch) / len(batch[0])
+        return squared_error(self.net, *batch) / len(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*_data(width=8, n=64)), batch_size=4)
+        return DataLoader(TensorDataset(*regression_data(width=8, n=64)), batch_size=4)
 
     def on_train_start(self) -> None:
         self.seen["start_state"] = self.trainer.precision_plugin.state_dict()
@@ -382,8 +290,8 @@ def _fsdp2_grads(world_size: int, convert_first: bool) -> list[float]:
     torch.manual_seed(0)
     model = DeepResidual(depth=4, width=8, decay=2.0)
     reference = copy.deepcopy(model)
-    x, y = _data(width=8, n=4)
-    (_loss(reference, x, y) * 1e-3).backward()
+    x, y = regression_data(width=8, n=4)
+    (squared_error(reference, x, y) * 1e-3).backward()
     plugin = ResblockScalingPrecision("fp16")
     if convert_first:
         plugin.convert_module(model)
@@ -394,7 +302,7 @@ def _fsdp2_grads(world_size: int, convert_first: bool) -> list[float]:
     if not convert_first:
         plugin.convert_module(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    plugin.optimizer_step(opt, model, lambda: (_loss(model, x, y) * 1e-3).backward())
+    plugin.optimizer_step(opt, model, lambda: (squared_error(model, x, y) * 1e-3).backward())
     assert plugin.scales.replicas == 1 and plugin.scales.skipped == 0  # FSDP averages: M = 1
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
     errors = []
@@ -429,6 +337,7 @@ def _distributed_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_sharded_grads_and_ddp_ranks_skip_together() -> None:
     r0, r1 = run_distributed(_distributed_worker, 2, timeout=180)
     g = math.log2(2 ** (1 / 1000))

@@ -11,9 +11,6 @@ from dalle_lightning.sampling import draw, filter_logits, sample_image_tokens
 TINY = dict(text_vocab_size=40, text_len=7, image_vocab_size=24, image_grid=5, n_layer=4, n_head=2, d_head=8)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
-
-
 @pytest.fixture(scope="module")
 def model() -> DallePrior:
     torch.manual_seed(0)

@@ -53,6 +53,7 @@ def plain_artifact(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_every_stage_trains_under_the_strategy_and_the_precision_plugin(tmp_path: Path) -> None:
     from dalle_lightning.cli import data, encode, generate
     from dalle_lightning.cli import train as train_app

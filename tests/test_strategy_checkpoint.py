@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from lightning.pytorch.loggers import CSVLogger
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
 
@@ -52,7 +52,8 @@ def _worker(rank: int, world_size: int, ckpt: str, log_dir: str) -> dict:
     }
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     ckpt = tmp_path / "epoch1.ckpt"
     results = run_distributed(_worker, 4, str(ckpt), str(tmp_path / "logs"), timeout=240)

@@ -1,6 +1,6 @@
 """Shared pieces of the strategy tests: a tiny residual model, its LightningModule, and process setup.
 
-Every distributed test runs real gloo processes on 127.0.0.1 through ``dist_utils.run_distributed``; inside
+Every distributed test runs real gloo processes on 127.0.0.1 through ``tests/helpers/distributed.py``; inside
 them Lightning sees ``LOCAL_RANK``/``NODE_RANK`` and treats the processes as externally launched (one
 Lightning node of 4 devices), while the strategy's ``devices_per_node=2`` makes the mesh 2 simulated nodes x 2.
 """

@@ -16,7 +16,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
 
 from strategies.sharded_powersgd import ShardedPowerSGDStrategy
@@ -79,7 +79,8 @@ def _reference(steps: int = STEPS, batch: int = BATCH) -> dict[str, torch.Tensor
     return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_one_step_equals_exact_data_parallel_and_shards_are_consistent() -> None:
     results = run_distributed(_worker, 4, True, timeout=120)
     reference = _reference()

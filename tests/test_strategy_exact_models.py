@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import external_launch_env, trainer
 
 STEPS, BATCH, WORLD, LR = 3, 2, 4, 0.05
@@ -126,6 +126,7 @@ def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 
 
 @pytest.mark.slow  # 4 gloo processes training the real models three times
+@pytest.mark.distributed
 def test_real_models_at_full_rank_equal_exact_data_parallelism() -> None:
     results = run_distributed(_worker, WORLD, timeout=400)
     for name in ("dvae", "prior", "prior_one_node"):

@@ -1,7 +1,7 @@
 """When one rank dies mid-training, the others fail with an error within a bounded time instead of hanging.
 
 2 simulated nodes x 2 devices; rank 3 calls ``os._exit`` at the start of its second step. This test launches its
-own processes (``dist_utils.run_distributed`` rightly aborts everything as soon as one worker dies, which would
+own processes (``run_distributed`` rightly aborts everything as soon as one worker dies, which would
 hide what the survivors do). The strategy's collective timeout bounds the wait even for ranks that never talk
 to the dead one directly.
 """
@@ -23,9 +23,9 @@ from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_e
 
 from strategies.mesh import build_mesh
 from strategies.sharded_powersgd import ShardedPowerSGDStrategy
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import host_store, join_group, run_distributed, stop
 
-HOST, WORLD, VICTIM = "127.0.0.1", 4, 3
+WORLD, VICTIM = 4, 3
 COLLECTIVE_TIMEOUT = 10.0  # seconds
 BOUND = COLLECTIVE_TIMEOUT + 35.0  # plus teardown, on a loaded 2-core machine
 
@@ -38,11 +38,8 @@ class DieAtSecondStep(L.Callback):
 
 def _entry(rank: int, port: int, results: mp.Queue) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    join_group(rank, WORLD, port, "gloo", COLLECTIVE_TIMEOUT, store_timeout=60)
     external_launch_env(rank)
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT)
-    store = dist.TCPStore(HOST, port, WORLD + 1, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
     module = TinyModule(TinyResNet(), functools.partial(torch.optim.SGD, lr=0.1))
     strategy = ShardedPowerSGDStrategy(devices_per_node=2, timeout=COLLECTIVE_TIMEOUT)
     try:
@@ -52,10 +49,11 @@ def _entry(rank: int, port: int, results: mp.Queue) -> None:
         results.put((rank, f"error: {type(err).__name__}: {str(err)[:200]}"))
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_survivors_error_out_when_a_rank_dies() -> None:
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore(HOST, 0, WORLD + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    store = host_store(WORLD, timeout=120)
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(r, store.port, results), daemon=True) for r in range(WORLD)]
     for p in procs:
@@ -78,10 +76,7 @@ def test_survivors_error_out_when_a_rank_dies() -> None:
         assert all(v.startswith("error") for v in reports.values()), reports
         print(f"survivors raised within {elapsed:.1f}s: {reports}")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+        stop(procs)
         results.close()
 
 
@@ -99,7 +94,8 @@ def _hung_peer(rank: int, world_size: int, timeout: float) -> float | None:
     return 0.0
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_mesh_groups_carry_the_collective_timeout() -> None:
     """Sub-groups would otherwise get the 30-minute library default whatever the strategy was told."""
     waited = run_distributed(_hung_peer, 2, 3.0, timeout=90)[0]

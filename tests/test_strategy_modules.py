@@ -11,7 +11,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from lightning.pytorch.demos.boring_classes import BoringModel
 from tests.test_strategy_common import external_launch_env, trainer
 from torch.utils.data import DataLoader, TensorDataset
@@ -80,7 +80,8 @@ def test_mesh_shape_rejects_worlds_it_cannot_tile() -> None:
         mesh_shape(4, 0)
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_trains_boring_model_and_resnet18_and_rejects_bad_mesh() -> None:
     results = run_distributed(_worker, 4, timeout=240)
     for r in results:

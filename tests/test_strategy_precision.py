@@ -17,25 +17,14 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
+from tests.helpers.grad_poison import inf_grad
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
 
 from strategies.resblock_precision import ResblockScalingPrecision
 from strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 LR, BATCH, WORLD = 0.5, 2, 4
-
-
-class _Inf(torch.autograd.Function):
-    """Identity forward; backward turns the gradient into +Inf (an overflow in any dtype)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return torch.full_like(grad, math.inf)
 
 
 class PoisonedModule(TinyModule):
@@ -49,7 +38,7 @@ class PoisonedModule(TinyModule):
 
     def _poison(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
         if self.rank == 0 and self.trainer.global_step == 0 and torch.is_grad_enabled():
-            return _Inf.apply(output)
+            return inf_grad(output)
         return output
 
 
@@ -100,7 +89,8 @@ def _reference(initial: dict[str, Tensor]) -> dict[str, Tensor]:
     return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_overflow_backs_off_its_block_and_powersgd_sees_unscaled_gradients() -> None:
     results = run_distributed(_worker, WORLD, timeout=180)
     growth = math.log2(2 ** (1 / 1000))

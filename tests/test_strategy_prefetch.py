@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from tests.dist_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
 from torch.profiler import ProfilerActivity, profile
 
@@ -55,7 +55,8 @@ def test_prefetch_plan() -> None:
     assert prefetch_plan(3, 0) == ([[], [], []], [[], [], []])
 
 
-@pytest.mark.slow  # spawns gloo processes that each import torch and lightning
+@pytest.mark.slow
+@pytest.mark.distributed  # spawns gloo processes that each import torch and lightning
 def test_observed_prefetch_order_is_the_configured_one() -> None:
     events = run_distributed(_worker, 2, timeout=180)[0]
     names = [f"module.model.blocks.{i}" for i in range(BLOCKS)]

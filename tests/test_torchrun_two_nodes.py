@@ -23,6 +23,7 @@ from tests.test_sharded_stages import free_port
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_torchrun_nodes_train_the_prior_and_end_identical(tmp_path: Path) -> None:
     from dalle_lightning.cli import data, encode
     from dalle_lightning.cli import train as train_app

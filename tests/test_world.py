@@ -1,4 +1,4 @@
-"""The shapes world's generator and shard writer obey shared/shapes-world.md.
+"""The shapes world's generator and shard writer obey docs/shapes-world.md.
 
 References here are written independently of the implementation: shapes by explicit geometry per pixel,
 captions rebuilt from the JSON attributes, box gaps by interval arithmetic.

@@ -7,8 +7,9 @@ The loss is open_clip's symmetric InfoNCE (``ClipLoss``); with several processes
 with gradients and each rank computes the loss of its local rows, as open_clip does at scale.
 
 The reranker scores *generated* images, which are dVAE decodings, never clean renders. A CLIP trained on clean
-renders alone does not transfer: on the shapes world it found the right caption among 50 for 56% of renders but
-for 6% of their dVAE reconstructions, and its best-of-16 pick was worse than a random candidate. Given a dVAE
+renders alone does not transfer: on the shapes world it found the right caption for renders far more often than
+for their dVAE reconstructions, and its best-of-16 pick was worse than a random candidate (docs/results.md,
+"The reranker must see generated images"). Given a dVAE
 (``dvae=``), a share ``recon_share`` of every batch is therefore replaced by its reconstruction (argmax codes,
 decoded): the images the prior's tokens can show.
 
@@ -71,7 +72,7 @@ class ClipModule(L.LightningModule):
         # A plain list keeps the frozen dVAE out of the state dict and the optimizer: only CLIP is trained and saved.
         self._dvae: list[nn.Module] = []
         if dvae is not None:
-            # NHWC convolutions run about 2x faster on CPU; reconstructing half a batch then costs less than CLIP.
+            # NHWC convolutions run faster on CPU; reconstructing half a batch then costs less than CLIP's own step.
             self._dvae.append(load_frozen(dvae).to(memory_format=torch.channels_last))
         self.spec = clip_models.spec_of(model)  # fails now, not at the first checkpoint, for foreign models
         self.optimizer_factory = optimizer

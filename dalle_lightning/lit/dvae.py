@@ -60,8 +60,8 @@ class DVAEModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
-        # NHWC convolutions are ~1.6x (fp32) to 2x (bf16) faster than NCHW on CPU at the shapes-world size
-        # (measured: 0.48 s vs 0.76 s per bf16 update at batch 64 on 2 cores); weights and inputs agree.
+        # NHWC convolutions are markedly faster than NCHW on CPU at the shapes-world size, in fp32 and more so in
+        # bf16 (docs/results.md); weights and inputs agree.
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.model = model.to(memory_format=self.memory_format)
         self.optimizer_factory = optimizer

@@ -6,10 +6,9 @@ downloaded, so a pretrained *tag* such as ``"openai"`` is refused with a clear e
 
 The embedded default, ``shapes-clip``, is a small open_clip ``CLIP`` for 64x64 shapes-world images: a
 ModifiedResNet (CLIP's RN tower: conv stem, one bottleneck per stage, attention pooling) of width 16 and a
-two-layer text transformer over 32 tokens. Measured on 2 CPU cores, it tells colours and shapes apart
-after 150-300 steps (100% on swapped-attribute captions), where a ViT with 8x8 patches, though ~1.6x
-faster per step, still confused small triangles and squares after 600 steps (89%): 12-px shapes fall
-inside single patches, and the conv stem sees their outlines. Its text tower keeps open_clip's 49,408-token
+two-layer text transformer over 32 tokens. It tells colours and shapes apart within a few hundred steps,
+where a ViT with 8x8 patches, though faster per step, still confused small triangles and squares at twice
+that (docs/experiments.md): 12-px shapes fall inside single patches, and the conv stem sees their outlines. Its text tower keeps open_clip's 49,408-token
 BPE vocabulary so that the stock open_clip tokenizer works unchanged.
 
 Every model built here carries ``open_clip_spec`` (name, architecture config and preprocessing config), so a
@@ -32,8 +31,8 @@ from torch import nn
 
 SHAPES_CLIP = "shapes-clip"
 
-# Sizes chosen by timing fp32 training steps at batch 64 on 2 CPU cores (about 0.2 s/step on an idle machine);
-# bf16 autocast gave no speed-up at this size. The 64-px input leaves a 2x2 map for the attention pool.
+# Sizes chosen by timing fp32 training steps at batch 64 on 2 CPU cores; bf16 autocast gave no speed-up at
+# this size. The 64-px input leaves a 2x2 map for the attention pool.
 SHAPES_CLIP_CONFIG: dict[str, Any] = {
     "embed_dim": 64,
     "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16, "head_width": 16},

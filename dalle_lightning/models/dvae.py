@@ -239,7 +239,7 @@ class DiscreteVAE(nn.Module):
         if codebook_init_std is not None:
             # The decoder's input conv is the codebook: with the paper's 1/sqrt(K) init its columns are so small
             # that the relaxed codes barely move the decoder, and a short run learns shapes but never colours
-            # (measured on the shapes world: grey reconstructions after 1,000 updates; colours by 600 with std ~1).
+            # (on the shapes world: grey reconstructions at the paper's init, colours early with std 1).
             if codebook_init_std <= 0:
                 raise ValueError(f"codebook_init_std={codebook_init_std}; expected a positive std or null (paper init)")
             nn.init.normal_(self.decoder.blocks.input.weight, std=codebook_init_std)

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dalle_lightning.models.masks import check_kind, default_conv_kernel, default_row_window, full_mask, image_mask
+from dalle_lightning.models.masks import (
+    check_kind,
+    default_conv_kernel,
+    default_row_window,
+    full_mask,
+    image_mask,
+    text_causal_mask,
+)
 
 ATTENTION_IMPLS = ("sparse", "dense", "flex")
 
@@ -84,7 +91,8 @@ def _dense_mask(layout: AttentionLayout, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    """The text region's mask, built once per length and device instead of in every call of every layer."""
+    return text_causal_mask(length, device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,7 +122,7 @@ def column_tables(layout: AttentionLayout, device: torch.device) -> torch.Tensor
     """``mask[height, n_text + height]`` for transposed column attention: all text keys, causal within the column."""
     h = layout.height
     text = torch.ones(h, layout.n_text, dtype=torch.bool, device=device)
-    return torch.cat([text, torch.ones(h, h, dtype=torch.bool, device=device).tril()], dim=-1)
+    return torch.cat([text, text_causal_mask(h, device)], dim=-1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,8 +147,8 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> to
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention (the text region). On CPU it is written out: PyTorch's CPU flash kernel has a fixed
-    cost that dominates short sequences (21 text positions, batch 32 x 4 heads, bf16: 8.8 ms forward plus backward
-    against 1.2 ms for these few matmuls, which made it 20% of a demo prior step)."""
+    cost that dominates short sequences such as the demo's text region, where these few matmuls are several
+    times cheaper (docs/results.md)."""
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return _written_out(q, k, v, _causal_mask(q.shape[-2], q.device))
@@ -165,7 +173,8 @@ def _split(q: torch.Tensor, layout: AttentionLayout) -> tuple[int, int]:
 def _bands(x: torch.Tensor, nb: int, rows: int, w: int) -> torch.Tensor:
     """``[B, H, rows * w, D] -> [B, H, rows, (nb + 1) * w, D]``: for each row ``r`` the rows ``r - nb .. r`` (zeros
     before the first). Built from ``nb + 1`` shifted slices: a strided ``unfold`` view gives the same values without
-    the copy, but its backward (``unfold_backward``) cost 5% of a demo prior step, slices' backward almost nothing."""
+    the copy, but its backward (``unfold_backward``) is a visible share of a demo prior step, while the slices'
+    backward costs almost nothing."""
     b, h, _, d = x.shape
     padded = F.pad(x, (0, 0, nb * w, 0)).view(b, h, rows + nb, w, d)
     return torch.cat([padded[:, :, i : i + rows] for i in range(nb + 1)], dim=3)
@@ -224,7 +233,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: AttentionL
     mask = valid[image_pos].view(1, -1)
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    # Written out on CPU for the same reason as causal_attention (batch 128: 0.25 ms against 0.7 ms per call).
+    # Written out on CPU for the same reason as causal_attention: one query meets few keys.
     return _written_out(q, keys, values, mask)
 
 

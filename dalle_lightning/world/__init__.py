@@ -1,4 +1,4 @@
-"""The shapes world: dalle-lightning's embedded data set and benchmark (see ``shared/shapes-world.md``).
+"""The shapes world: dalle-lightning's embedded data set and benchmark (specified in ``docs/shapes-world.md``).
 
 ``scene`` samples scenes and captions, ``render`` draws them, ``shards`` writes WebDataset shards,
 ``parse`` reads captions back, and ``detect`` judges whether an image matches its caption.

@@ -4,7 +4,7 @@ The reranker must choose among candidates drawn for the *same* caption, which di
 size or the side an object is on. Random in-batch captions rarely differ from the true one by so little, so a
 contrastive model trained on them alone learns the easy parts (how many objects, roughly which colours) and
 ranks near-misses no better than chance. Each edit here makes a caption that the world's matching rule
-(``shared/shapes-world.md``) certainly rejects for the original image:
+(``docs/shapes-world.md``) certainly rejects for the original image:
 
 * ``colour`` / ``shape``: one object gets another colour or shape;
 * ``size``: a stated size flips (small <-> large); an unstated one is never added, as it might be true;

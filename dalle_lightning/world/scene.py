@@ -1,10 +1,10 @@
-"""The shapes world's vocabulary and its scene sampler (see ``shared/shapes-world.md``).
+"""The shapes world's vocabulary and its scene sampler (specified in ``docs/shapes-world.md``).
 
 A *scene* is what one image shows plus the caption that describes it. Everything here is pure data and a
 seeded ``numpy`` generator, so the same seed always yields the same scenes on any machine; rendering and
 shard writing live in their own modules.
 
-Project choices the world page leaves open:
+Choices that a looser statement of the world would leave open, made here (and recorded on that page):
 
 * Boxes are half-open pixel ranges ``(x0, y0, x1, y1)``: the object covers columns ``x0 .. x1 - 1``.
 * In a two-object scene the first object of the caption is the *subject*: ``"<subject> above <reference>"``.

@@ -25,7 +25,7 @@ from dalle_lightning.world.render import render
 from dalle_lightning.world.scene import SPLITS, Scene, split_rng, sample_scene
 
 # Fixed tar member time, for reproducible bytes. An int: a float mtime makes tarfile add a PAX header to every
-# member, which doubles the headers a reader parses (token batches read 1.8x faster without them).
+# member, which doubles the headers a reader parses (see docs/results.md for what that costs).
 _MTIME = 0
 
 

@@ -1,6 +1,6 @@
 """Run a function in N real torch.distributed processes on 127.0.0.1 (gloo by default), for tests and benchmarks.
 
-    from dist_utils import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     def worker(rank: int, world_size: int, scale: float) -> float:   # module level, so spawn can import it
         t = torch.tensor([rank * scale]); dist.all_reduce(t); return t.item()
@@ -9,8 +9,8 @@
 
 Why this shape:
 - ``forkserver`` start method with torch preloaded: workers fork from a clean server process that has imported
-  torch but run nothing (no thread pools or gloo state to inherit), so they start in ~0.1 s instead of paying
-  the torch import each (seconds per process on a loaded 2-core machine). The server is reused across calls.
+  torch but run nothing (no thread pools or gloo state to inherit), so they start at once instead of each
+  paying the torch import, which is slow on a loaded 2-core machine. The server is reused across calls.
 - The parent hosts the rendezvous TCPStore on port 0 and hands the chosen port to the workers, so there is no
   race for a "free" port between concurrent test runs.
 - Results travel as ``torch.save`` bytes (tensors welcome) rather than shared-memory handles, which would die
@@ -42,6 +42,37 @@ class WorkerError(RuntimeError):
     """A worker process raised; the message carries its rank and traceback."""
 
 
+def host_store(world_size: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store, hosted by the parent on a port the OS picks (read it from ``.port``).
+
+    The parent owns it so it outlives any crashing worker, and port 0 means no race for a "free" port between
+    concurrent test runs.
+    """
+    return dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout))
+
+
+def join_group(rank: int, world_size: int, port: int, backend: str, timeout: float,
+               store_timeout: float | None = None) -> None:
+    """In a worker: join the default process group at the parent's store, with collective ``timeout`` seconds.
+
+    Sets the launcher variables too (``MASTER_ADDR`` ... ``WORLD_SIZE``), as torchrun would, so Lightning and
+    the strategies see an externally launched process.
+    """
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    store = dist.TCPStore(HOST, port, world_size + 1, is_master=False,
+                          timeout=timedelta(seconds=store_timeout if store_timeout is not None else timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+
+
+def stop(procs: list[Any]) -> None:
+    """Kill whatever still runs and reap every process, so a failed test leaves nothing behind."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
 def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -54,9 +85,7 @@ def _worker(
 ) -> None:
     try:
         torch.set_num_threads(threads)
-        os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-        store = dist.TCPStore(HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=pg_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        join_group(rank, world_size, port, backend, pg_timeout)
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -102,9 +131,7 @@ def run_distributed(
     # The fork server imports torch once; every worker forks from it instead of importing torch again, which on
     # a loaded 2-core machine saves several seconds per process.
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    # The parent owns the store (port 0 = let the OS pick) so it outlives any crashing worker.
-    store = dist.TCPStore(HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = host_store(world_size, timeout)
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, store.port, backend, threads, timeout, args, results),
@@ -134,10 +161,7 @@ def run_distributed(
         for p in procs:
             p.join(timeout=max(deadline - time.monotonic(), 1.0))
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop(procs)
         results.close()
         del store
     return [out[r] for r in range(world_size)]
