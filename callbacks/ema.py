@@ -15,7 +15,8 @@ Behaviour (the same sharded or not):
 - validation runs on the averaged weights (swapped in and out around each validation epoch);
 - at the end of training the averaged weights become the model's *only if an average was ever taken*; a run
   shorter than ``update_starting_at_step`` keeps its trained weights instead of its initialisation
-  (``averaged`` says which);
+  (``averaged`` says which). A fit resumed from a checkpoint that had already reached ``max_steps`` runs no
+  training loop (Lightning skips its start and end hooks): the average is handed over at the end of that fit;
 - checkpoints hold the average under ``ema_state_dict`` (parameter name -> tensor; a sharding strategy saves
   DTensors in its sharded format) and a resumed run continues it.
 
@@ -61,6 +62,7 @@ class EMA(EMAWeightAveraging):
         self._names: list[str] = []
         self._average: list[Tensor] | None = None
         self.updates = 0  # averaging updates taken; 0 means the parameters were never averaged
+        self._handed_over = False  # the end of training of this fit has put the average into the model
 
     @property
     def averaged(self) -> bool:
@@ -106,7 +108,17 @@ class EMA(EMAWeightAveraging):
             self._latest_update_epoch = trainer.current_epoch
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._handed_over = False
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._handed_over:  # no training loop ran: resumed from a checkpoint that had finished
+            self.on_train_end(trainer, pl_module)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._handed_over = True
         if not self.averaged:
             rank_zero_info(
                 f"EMA: no average was taken in {trainer.global_step} updates (update_starting_at_step="

@@ -12,8 +12,8 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
   the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
   ``mark_nonfinite()`` (:class:`strategies.resblock_precision.ResblockScalingPrecision`) unscales the gradients
   before PowerSGD and owns the skip decision;
-* checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state
-  (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
+* checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state and
+  buffers (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
 
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
 (after ``import strategies``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 STRATEGY_NAME = "sharded_powersgd"
 POWERSGD_KEY = "powersgd"
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
+# Buffers stay whole on every rank and drift apart (batch-norm running statistics of each rank's own batches); DCP
+# keeps one copy of a key that every rank saves, so each rank's own go under a key of its own. Metadata: their names.
+RANK_BUFFERS_KEY = "rank_buffers"
 
 
 class ShardedRoot(nn.Module):
@@ -489,6 +492,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             state[key] = checkpoint.pop(key)
         checkpoint[SHARDED_EXTRAS_KEY] = extras
         state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
+        buffers = _own_buffers(self.lightning_module, state["state_dict"])
+        checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
+        if buffers:
+            state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = pack(buffers)
         save_sharded(path, state, checkpoint)
 
     @override
@@ -503,7 +510,11 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
         if optimizers:
             state[key] = b""
-        extras = read_metadata(path).get(SHARDED_EXTRAS_KEY, [])
+        saved = read_metadata(path)
+        extras = saved.get(SHARDED_EXTRAS_KEY, [])
+        buffers_key = rank_key(RANK_BUFFERS_KEY, self.global_rank)
+        if saved.get(RANK_BUFFERS_KEY):
+            state[buffers_key] = b""
         params = dict(module.named_parameters())
         for extra in extras:
             state[extra] = {n: torch.empty_like(p.detach()) for n, p in params.items()}
@@ -511,6 +522,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         for extra in extras:
             metadata[extra] = state[extra]
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
+        if saved.get(RANK_BUFFERS_KEY):
+            with torch.no_grad():
+                for name, value in unpack(state[buffers_key]).items():
+                    module.get_buffer(name).copy_(value)
         for idx, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         if optimizers:
@@ -526,6 +541,14 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The sharded state was already loaded in load_checkpoint.
         pass
+
+
+def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's whole (unsharded) buffers that belong in the state dict, on CPU."""
+    if module is None:
+        return {}
+    return {n: b.detach().cpu().clone() for n, b in module.named_buffers()
+            if n in state_dict and not isinstance(b, DTensor)}
 
 
 def _holds_dtensors(value: Any) -> bool:

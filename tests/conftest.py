@@ -34,6 +34,14 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
+@pytest.fixture(scope="session")
+def resume_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny pipeline (40 training samples) on which every stage trains in seconds, for kill-and-resume tests."""
+    from tests.resume_utils import build_work
+
+    return build_work(tmp_path_factory.mktemp("resume"))
+
+
 TINY_DVAE_CONFIG = {"_target_": "dalle_lightning.models.dvae.DiscreteVAE", "image_size": 64, "n_hid": 8,
                     "n_blk_per_group": 1, "vocab_size": 32, "codebook_dim": 16}
 

@@ -1,7 +1,8 @@
 """``dalle-train``: train one stage (tokenizer, dvae, clip, prior) from the composed Hydra config.
 
 Each stage writes one artifact (``output``) that later stages read; an existing artifact is reused unless
-``stage.force=true``. Returns the final metrics, which multirun sweeps summarise.
+``stage.force=true`` or the run resumes (``resume=auto`` or ``resume=PATH``: continue a run from its checkpoint,
+exactly where it stopped; ``docs/resume.md``). Returns the final metrics, which multirun sweeps summarise.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from hydra.utils import instantiate
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from callbacks.epoch_end_resume import EpochEndResume
+from callbacks.random_state import RandomState
 from dalle_lightning.artifacts import save_model, write_json
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, strategy_and_precision
+from dalle_lightning.cli.resume import resume_checkpoint
 from dalle_lightning.lineage import stage_record
 
 log = logging.getLogger("dalle_lightning.train")
 
 TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
-                  "seed", "output", "module", "objective", "verbose"}
+                  "seed", "output", "module", "objective", "verbose", "resume"}
 STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
@@ -75,17 +79,22 @@ def model_meta(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
     return meta
 
 
-def fit(cfg: DictConfig) -> dict[str, Any]:
-    """Build data, model, LightningModule, callbacks and Trainer from config; fit; save the artifact."""
+def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
+    """Build data, model, LightningModule, callbacks and Trainer from config; fit (from ``ckpt_path`` when
+    resuming); save the artifact."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")  # a missing shard fails here, before a Trainer is built
     model = instantiate(cfg.model)
     module = instantiate(cfg.module, model=model)
-    callbacks = instantiate_dict(cfg.callbacks)
+    # Exact resume: every rank's random states travel in checkpoints, and a checkpoint that ended an epoch of the
+    # (unsized) streamed data resumes at the next epoch's first batch.
+    callbacks = [*instantiate_dict(cfg.callbacks), RandomState(), EpochEndResume()]
     logger = instantiate(cfg.logger) if cfg.logger else False
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
-    trainer.fit(module, datamodule=datamodule)
+    if ckpt_path is not None:
+        log.info("resuming from %s", ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if getattr(datamodule, "val_shards", None) and not cfg.trainer.fast_dev_run:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
         trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -117,20 +126,27 @@ def model_state_dict(trainer: pl.Trainer, module: pl.LightningModule, model: tor
     return {k[len(prefix):]: v for k, v in export().items() if k.startswith(prefix)}
 
 
+def _run_dir() -> Path | None:
+    """This run's Hydra output directory (None outside a Hydra app)."""
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run the configured stage; reuse its artifact when it exists (unless forced). Returns metrics."""
+    """Run the configured stage; reuse its artifact when it exists (unless forced or resuming). Returns metrics."""
     check_keys(cfg, TOP_LEVEL_KEYS)
     stage = cfg.stage.name
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
     checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
+    ckpt_path = resume_checkpoint(cfg, _run_dir())  # a checkpoint that is not there fails now too
     out = Path(cfg.output)
-    if out.exists() and not cfg.stage.force and not cfg.get("trainer", {}).get("fast_dev_run", False):
-        log.info("%s exists; reusing it (stage.force=true retrains)", out)
+    fresh = cfg.stage.force or ckpt_path is not None or cfg.get("trainer", {}).get("fast_dev_run", False)
+    if out.exists() and not fresh:
+        log.info("%s exists; reusing it (stage.force=true retrains, resume=auto continues its last run)", out)
         return {"reused": 1.0}
     stage_record(cfg)  # artifacts and data that do not belong together fail now, not after training
     start = time.perf_counter()
-    metrics = train_tokenizer(cfg) if stage == "tokenizer" else fit(cfg)
+    metrics = train_tokenizer(cfg) if stage == "tokenizer" else fit(cfg, ckpt_path)
     metrics["wall_time_s"] = time.perf_counter() - start
     return metrics
 

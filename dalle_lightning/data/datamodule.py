@@ -7,6 +7,11 @@ caption, non-UTF-8 text, bad token arrays, a wrong code count, an out-of-range c
 by reason and logged; it never stops training. The counts (``skipped``, ``skip_counts()``) include the loader
 workers' (``data.skips``); ``callbacks.skipped_samples`` sums them over ranks into metrics. A training pass that
 yields no batch at all is an error naming the shards (``data.epoch_loader``), not an endless run of empty epochs.
+
+The training order is a function of the seed and the epoch alone (shards, samples, and each sample's
+augmentation), a new one every epoch (``data.resumable_loader``). A data module's ``state_dict`` is where
+training is in it (the epoch and the batches of it trained on); Lightning keeps it in checkpoints, and a resumed
+run continues the epoch with the batch the interrupted run would have drawn next.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from dalle_lightning.data.epoch_loader import NonEmptyLoader
+from dalle_lightning.data.resumable_loader import ResumableLoader
 from dalle_lightning.data.shards import resolve_shards, split_for
 from dalle_lightning.data.skips import SkipCounter, read_shards
 from dalle_lightning.data.transforms import center_square_resize, decode_image, paper_augment, to_tensor
@@ -32,6 +37,7 @@ from dalle_lightning.data.transforms import center_square_resize, decode_image, 
 log = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+EPOCH_KEY = "__epoch__"  # set on every raw sample: per-sample draws (augmentation) depend on (seed, epoch, sample)
 
 
 RANK_SPLITS = ("samples", "shards")
@@ -40,7 +46,8 @@ RANK_SPLITS = ("samples", "shards")
 class ShardStream(IterableDataset):
     """One pass over this consumer's part of the shards: tar members grouped into samples, shuffled, decoded.
 
-    ``epoch`` reseeds shard and sample shuffling so each epoch has a new order, identical across reruns.
+    ``epoch`` (``set_epoch``) reseeds shard and sample shuffling so each epoch has a new order, identical across
+    reruns; every raw sample carries it as ``__epoch__`` for the decoder's own draws.
 
     ``split`` says how ranks (and loader workers) share the data:
 
@@ -64,6 +71,9 @@ class ShardStream(IterableDataset):
         self.skipped = skipped  # where unreadable shards are counted (None: logged only)
         self.replaced = 0  # undecodable samples stood in for by the previous good one ("samples" split)
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
     def _consumer(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -79,6 +89,7 @@ class ShardStream(IterableDataset):
         mine = urls if by_sample else split_for(urls, self.rank, self.world_size)
         # Every consumer reads every shard in the "samples" split: only the first counts a shard it cannot read.
         stream = read_shards(mine, self.skipped if not by_sample or consumer == 0 else None)
+        stream = ({**sample, EPOCH_KEY: self.epoch} for sample in stream)
         if self.shuffle:
             stream = wds.filters._shuffle(stream, self.shuffle, initial=min(100, self.shuffle), rng=rng)
         if not by_sample:
@@ -127,6 +138,7 @@ class WebDataModule(pl.LightningDataModule):
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.skipped = SkipCounter(workers=num_workers)
         self._train: ShardStream | None = None
+        self._resume: dict[str, Any] | None = None  # a checkpoint's position, used by the next training pass
 
     def decode(self, sample: dict[str, Any]) -> dict[str, Any] | None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -154,18 +166,65 @@ class WebDataModule(pl.LightningDataModule):
                 resolve_shards(spec)
 
     def _loader(self, dataset: ShardStream, train: bool = False) -> DataLoader:
+        # An own generator for the workers' base seed: from torch's global one, every pass (validation too) would
+        # shift the model's draws, and a resumed run, which does not repeat every pass, would draw differently.
         kwargs: dict[str, Any] = dict(batch_size=self.batch_size, num_workers=self.num_workers,
-                                      persistent_workers=False, pin_memory=False)
-        if train:  # a training pass without a single batch is an error, not an endless run of empty epochs
-            return NonEmptyLoader(dataset, shards=dataset.urls, skipped=self.skipped.summary, **kwargs)
+                                      persistent_workers=False, pin_memory=False,
+                                      generator=torch.Generator().manual_seed(self.seed))
+        if train:  # epoch-seeded and resumable; a pass without a single batch is an error, not an endless run
+            return ResumableLoader(dataset, position=self._position, seed=self.seed, shards=dataset.urls,
+                                   skipped=self.skipped.summary, **kwargs)
         return DataLoader(dataset, **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:
         self._train = self.stream(self.train_shards, self.shuffle_buffer)
-        if self.trainer is not None:
-            self._train.epoch = self.trainer.current_epoch
         return self._loader(self._train, train=True)
+
+    def _order(self) -> dict[str, Any]:
+        """What the training order depends on besides the epoch: resuming with other values cannot be exact."""
+        _, world = self._rank()
+        return {"seed": self.seed, "batch_size": self.batch_size, "world_size": world, "num_workers": self.num_workers,
+                "rank_split": self.rank_split, "shuffle_buffer": self.shuffle_buffer,
+                "shards": [url.rsplit("/", 1)[-1] for url in resolve_shards(self.train_shards)]}
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, batches of it already trained on) for the training pass about to start (``ResumableLoader``).
+
+        A resumed run's first pass starts where its checkpoint says: Lightning builds that pass before it moves its
+        own epoch counter past an epoch the checkpoint had finished."""
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            return resume["epoch"], resume["batches"]
+        return (self.trainer.current_epoch if self.trainer is not None else 0), 0
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Where training is in the data, for checkpoints: the epoch and the batches of it trained on.
+
+        Read from the fit loop, not counted at the loader: the loader runs ahead of training (Lightning fetches a
+        batch before the one it trains on is done), and a checkpoint comes after the update of its last batch. After
+        an epoch's last batch the position is the start of the next epoch, where training goes on."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit" or self.train_shards is None:
+            return {}
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        epoch, batches = trainer.current_epoch, progress.current.processed
+        if progress.is_last_batch and batches:
+            epoch, batches = epoch + 1, 0
+        return {"epoch": epoch, "batches": batches, "order": self._order()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        saved, now = state_dict.get("order", {}), self._order()
+        changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+        if changed:
+            log.warning("the training data order changed since the checkpoint (%s); the resumed epoch continues "
+                        "after %d batches of the new order, not exactly where it stopped", "; ".join(changed),
+                        state_dict["batches"])
+        self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
 
     @override
     def val_dataloader(self) -> DataLoader | list:
@@ -202,7 +261,12 @@ class ImageTextDataModule(WebDataModule):
         if image_size <= 0:
             raise ValueError(f"image_size={image_size} must be positive")
         self.image_size, self.augment, self.random_flip = image_size, augment, random_flip
-        self._rng = random.Random(self.seed)
+
+    def augment_rng(self, sample: dict[str, Any]) -> random.Random:
+        """The draws of one sample's augmentation: a function of (seed, epoch, shard, key), so they are the same
+        whichever rank or loader worker decodes the sample, and again when a resumed run re-reads it."""
+        shard = str(sample.get("__url__", "")).rsplit("/", 1)[-1]
+        return random.Random(f"{self.seed}/{sample.get(EPOCH_KEY, 0)}/{shard}/{sample.get('__key__')}")
 
     def decode(self, sample: dict[str, Any], train: bool = True) -> dict[str, Any] | None:
         key = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}"
@@ -219,7 +283,7 @@ class ImageTextDataModule(WebDataModule):
             self.skipped.skip("corrupt image", key, type(exc).__name__)
             return None
         if train and self.augment:
-            img = paper_augment(img, self.image_size, self._rng, flip=self.random_flip)
+            img = paper_augment(img, self.image_size, self.augment_rng(sample), flip=self.random_flip)
         else:
             img = center_square_resize(img, self.image_size)
         return {"image": to_tensor(img), "text": text}

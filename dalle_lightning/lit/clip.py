@@ -166,10 +166,18 @@ class ClipModule(L.LightningModule):
         return self._shared_step(batch, "val")
 
     @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # As in CLIP: clamp the temperature so logits never exceed 100.
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # As in CLIP: clamp the temperature so logits never exceed 100. Right after the update (not at the end of
+        # the batch), so a checkpoint taken after this update holds the clamped value.
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, 4.6052)
+
+    def random_generators(self) -> dict[str, Any]:
+        """Generators of this module's own (protocol of ``callbacks.random_state``): the hard negatives' draws,
+        which a resumed run must continue."""
+        rng = getattr(self.negatives, "rng", None)
+        return {"negatives": rng} if rng is not None else {}
 
     @override
     def configure_optimizers(self) -> Any:

@@ -18,6 +18,9 @@ Why this shape:
 - A worker that raises makes the parent kill the others and raise ``WorkerError`` with the worker's traceback;
   a run exceeding ``timeout`` is killed and raises ``TimeoutError``. Nothing is left running either way.
 - Each worker uses ``threads`` intra-op threads (default 1): the CI machine has 2 cores shared by everything.
+- ``start_method="fork"`` instead forks the workers from the calling process, with everything it has imported
+  (Lightning, Hydra, the project): for workers that would otherwise spend seconds importing them, when the caller
+  runs no threads and no process group of its own.
 """
 
 from __future__ import annotations
@@ -80,10 +83,12 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, threads: int,
+    fn: Callable[..., Any], rank: int, world_size: int, port: Any, backend: str, threads: int,
     pg_timeout: float, args: tuple, results: Any,
 ) -> None:
     try:
+        if not isinstance(port, int):  # forked workers learn the port once the parent has started the store
+            port = port.get()
         torch.set_num_threads(threads)
         join_group(rank, world_size, port, backend, pg_timeout)
         try:
@@ -118,24 +123,35 @@ def run_distributed(
     timeout: float = 60.0,
     backend: str = "gloo",
     threads: int = 1,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes forming one process group.
 
     Returns the per-rank return values, ordered by rank. ``fn`` and ``args`` must be picklable (``fn`` defined at
-    module level). Raises ``WorkerError`` if any worker raises, ``TimeoutError`` after ``timeout`` seconds.
+    module level). Raises ``WorkerError`` if any worker raises or dies, ``TimeoutError`` after ``timeout`` seconds.
+    ``start_method``: ``"forkserver"`` (fresh workers with torch preloaded) or ``"fork"`` (see the module docstring).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
+    if start_method not in ("forkserver", "fork"):
+        raise ValueError(f"start_method={start_method!r}; expected 'forkserver' or 'fork'")
     name = getattr(fn, "__name__", repr(fn))
-    ctx = mp.get_context("forkserver")
-    # The fork server imports torch once; every worker forks from it instead of importing torch again, which on
-    # a loaded 2-core machine saves several seconds per process.
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    store = host_store(world_size, timeout)
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # The fork server imports torch once; every worker forks from it instead of importing torch again, which
+        # on a loaded 2-core machine saves several seconds per process.
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+
+    def start_store() -> dist.TCPStore:
+        return host_store(world_size, timeout)
+
+    # Forked workers are forked before the store exists: its server thread must not be copied into them mid-lock.
+    ports = ctx.SimpleQueue() if start_method == "fork" else None
+    store = None if ports is not None else start_store()
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, store.port, backend, threads, timeout, args, results),
-                    daemon=True)
+        ctx.Process(target=_worker, args=(fn, rank, world_size, ports if store is None else store.port, backend,
+                                          threads, timeout, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -143,6 +159,10 @@ def run_distributed(
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
+        if store is None:
+            store = start_store()
+            for _ in procs:
+                ports.put(store.port)
         while len(out) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -1,0 +1,27 @@
+"""A test-only callback that SIGKILLs its own process at a chosen point of training, as a crash or a preemption
+would: no exception, no teardown, no last checkpoint. Every rank of a distributed run kills itself at the same
+point (ranks train in lockstep), and never its process group, which may hold the test itself.
+
+Passed on the command line as ``+callbacks.killer._target_=tests.kill_at.KillAt +callbacks.killer.update=7``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+
+
+class KillAt(pl.Callback):
+    """SIGKILL before micro-batch ``micro_batch`` (0-based) of the accumulation window that follows update
+    ``update``: ``micro_batch=1`` with ``accumulate_grad_batches=2`` dies with a half-accumulated gradient."""
+
+    def __init__(self, update: int, micro_batch: int = 0) -> None:
+        self.update, self.micro_batch = update, micro_batch
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        in_window = (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches
+        if trainer.global_step == self.update and in_window == self.micro_batch:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,70 @@
+"""``dalle-train resume=...``: which checkpoint a run continues from, and one-line errors when there is none."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dalle_lightning.cli.resume import newest_checkpoint, resume_checkpoint
+from tests.conftest import CONF, run_app
+
+
+def _checkpoint(runs: Path, stage: str, run: str, mtime: float, sharded: bool = False) -> Path:
+    path = runs / stage / run / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    if sharded:  # a DCP directory, as strategy=sharded_powersgd writes
+        path.mkdir()
+        (path / ".metadata").write_bytes(b"")
+    else:
+        path.write_bytes(b"")
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def _cfg(work: Path, stage: str = "dvae", resume: object = "auto"):
+    return OmegaConf.create({"resume": resume, "stage": {"name": stage}, "paths": {"runs": str(work / "runs")}})
+
+
+def test_auto_is_the_newest_last_checkpoint_of_the_stage_not_of_this_run(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    _checkpoint(runs, "dvae", "a", 100)
+    newest = _checkpoint(runs, "dvae", "b", 300, sharded=True)
+    _checkpoint(runs, "dvae", "c", 200)
+    _checkpoint(runs, "prior", "d", 400)  # another stage
+    own = _checkpoint(runs, "dvae", "now", 500)  # this run's own directory (it has just begun)
+    assert newest_checkpoint(runs, "dvae", exclude=own.parents[1]) == newest
+    assert resume_checkpoint(_cfg(tmp_path), run_dir=own.parents[1]) == str(newest)
+    assert resume_checkpoint(_cfg(tmp_path, resume=None)) is None
+    assert resume_checkpoint(_cfg(tmp_path, resume=str(own))) == str(own)
+
+
+@pytest.mark.parametrize(("stage", "resume", "message"), [
+    ("dvae", "auto", "resume=auto found no checkpoint"),
+    ("dvae", "nowhere/last.ckpt", "resume=nowhere/last.ckpt: no such checkpoint"),
+    ("dvae", 3, "resume=3; expected null, auto, or the path of a checkpoint"),
+    ("tokenizer", "auto", "resume=auto with stage=tokenizer; expected resume=null"),
+])
+def test_a_resume_that_names_no_checkpoint_is_an_error(tmp_path: Path, stage: str, resume: object, message: str) -> None:
+    with pytest.raises((FileNotFoundError, ValueError), match=message):
+        resume_checkpoint(_cfg(tmp_path, stage, resume))
+
+
+def test_resume_is_a_train_option_off_by_default(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.work_dir={tmp_path}"])
+    assert cfg.resume is None
+
+
+def test_resume_auto_without_a_run_is_one_line_from_the_app(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dalle_lightning.cli import train
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_app(train.main, "stage=dvae", f"paths.work_dir={tmp_path}", "resume=auto")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2
+    assert len(errors) == 1 and errors[0].startswith("error: resume=auto found no checkpoint")
+    assert str(tmp_path / "runs" / "dvae") in errors[0]
