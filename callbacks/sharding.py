@@ -30,12 +30,14 @@ def full_parameters(trainer: Any) -> AbstractContextManager[Any]:
 
 def reshard(trainer: Any, module: nn.Module) -> None:
     """Return every FSDP2 unit of the trained model (and ``module``) to its shards; no-op without FSDP2."""
-    roots = [getattr(getattr(trainer, "strategy", None), "model", None), module]
+    wrapped = getattr(getattr(trainer, "strategy", None), "model", None)
+    roots = [wrapped] if isinstance(wrapped, nn.Module) else []
+    if not any(module is m for root in roots for m in root.modules()):
+        roots.append(module)  # the LightningModule is not inside the strategy's wrapper: walk it too
     for root in roots:
-        if isinstance(root, nn.Module):
-            for unit in root.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.reshard()
+        for unit in root.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from dalle_lightning.data.resumable_loader import ResumableLoader
-from dalle_lightning.data.shards import resolve_shards, split_for
+from dalle_lightning.data.shards import consumer_index, resolve_shards, split_for
 from dalle_lightning.data.skips import SkipCounter, read_shards
 from dalle_lightning.data.transforms import center_square_resize, decode_image, paper_augment, to_tensor
 
@@ -74,17 +74,12 @@ class ShardStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _consumer(self) -> tuple[int, int]:
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return self.rank * workers + worker, self.world_size * workers
-
     def __iter__(self):
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         urls = list(self.urls)
         if self.shuffle:
             rng.shuffle(urls)
-        consumer, consumers = self._consumer()
+        consumer, consumers = consumer_index(self.rank, self.world_size)
         by_sample = self.split == "samples" and consumers > 1
         mine = urls if by_sample else split_for(urls, self.rank, self.world_size)
         # Every consumer reads every shard in the "samples" split: only the first counts a shard it cannot read.

@@ -46,7 +46,12 @@ def split_for(urls: Sequence[str], rank: int, world_size: int) -> list[str]:
     Splitting by shard (not by sample) keeps reads sequential. With fewer shards than consumers some read
     nothing, so write at least ``world_size * num_workers`` shards.
     """
+    consumer, consumers = consumer_index(rank, world_size)
+    return list(urls[consumer::consumers])
+
+
+def consumer_index(rank: int, world_size: int) -> tuple[int, int]:
+    """``(index, count)`` of this reader among every loader worker of every rank."""
     info = torch.utils.data.get_worker_info()
     worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-    consumer, consumers = rank * workers + worker, world_size * workers
-    return list(urls[consumer::consumers])
+    return rank * workers + worker, world_size * workers
