@@ -30,6 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.lit.schedules import optimizers_from_factories
 from open_clip.loss import ClipLoss
@@ -44,7 +45,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class ClipModule(L.LightningModule):
+class ClipModule(FusedOptimizerClipping):
     """Trains ``model`` (built by :func:`dalle_lightning.models.clip.create`) with ``ClipLoss``.
 
     ``optimizer`` maps parameters to an optimizer and ``scheduler`` (optional) maps the optimizer to an LR

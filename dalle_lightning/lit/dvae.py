@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.lit.schedules import optimizers_from_factories
 from torch import nn
 from torchmetrics import MeanSquaredError, Metric
@@ -46,7 +47,7 @@ class CodebookPerplexity(Metric):
         return torch.exp(entropy).float()
 
 
-class DVAEModule(pl.LightningModule):
+class DVAEModule(FusedOptimizerClipping):
     """Trains the dVAE with the relaxed ELB; validates reconstructions from argmax codes (what the prior sees)."""
 
     def __init__(

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.sampling import sample_image_tokens
@@ -46,7 +47,7 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class PriorModule(pl.LightningModule):
+class PriorModule(FusedOptimizerClipping):
     """Trains a :class:`DallePrior` on token batches; logs ``{train,val}/{loss,text_loss,image_loss}``."""
 
     def __init__(

@@ -139,10 +139,12 @@ def decode_tables(layout: AttentionLayout, device: torch.device) -> tuple[torch.
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def _softmax(scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Masked softmax in at least fp32 (bf16 scores lose too much in the normaliser), returned in ``dtype``."""
-    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    return wide.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(dtype)
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked softmax in the scores' own dtype, masking in place (``scores`` is a fresh product or concatenation
+    that nothing else reads). PyTorch's softmax kernels accumulate 16-bit inputs in fp32 on CPU and CUDA, so a
+    widening copy would change nothing in the forward and cost two passes over the largest tensor of the layer
+    each way; only the output is rounded, as the value product reads it in 16 bits anyway."""
+    return scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -155,8 +157,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention as two matmuls and the fp32 softmax: the CPU path of the short, dense attention calls."""
-    return _softmax((q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2), mask, v.dtype) @ v
+    """Masked attention as two matmuls and a softmax: the CPU path of the short, dense attention calls."""
+    return _softmax((q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-1, -2), mask) @ v
 
 
 def _split(q: torch.Tensor, layout: AttentionLayout) -> tuple[int, int]:
@@ -201,7 +203,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         qc = qi.transpose(2, 3)  # [B, H, width, rows, D]: each column a short causal sequence
         kc, vc = (x.view(b, h, rows, w, d).transpose(2, 3) for x in (ki, vi))
         scores = torch.cat([text_scores.transpose(2, 3), qc @ kc.transpose(-1, -2)], dim=-1)
-        p_text, p_image = _softmax(scores, mask, v.dtype).split([t, rows], dim=-1)
+        p_text, p_image = _softmax(scores, mask).split([t, rows], dim=-1)
         image_out = (p_image @ vc).transpose(2, 3)
         p_text = p_text.transpose(2, 3)
     else:
@@ -210,7 +212,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         span = (nb + 1) * w
         kb, vb = (_bands(x, nb, rows, w) for x in (ki, vi))  # [B, H, rows, span, D]: key rows r-nb..r
         scores = torch.cat([text_scores, qi @ kb.transpose(-1, -2)], dim=-1)
-        p_text, p_image = _softmax(scores, mask, v.dtype).split([t, span], dim=-1)
+        p_text, p_image = _softmax(scores, mask).split([t, span], dim=-1)
         image_out = p_image @ vb
     out = p_text.reshape(b, h, rows * w, t) @ vt + image_out.reshape(b, h, rows * w, d)
     return torch.cat([text_out, out[..., :n, :]], dim=-2)
