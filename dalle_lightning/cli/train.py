@@ -30,7 +30,8 @@ from dalle_lightning.lineage import stage_record
 log = logging.getLogger("dalle_lightning.train")
 
 TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
-                  "seed", "output", "module", "objective", "verbose", "resume"}
+                  "seed", "output", "module", "objective", "verbose", "resume",
+                  "shapes"}  # experiment/shapes.yaml: each stage's run length and batch size
 STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
