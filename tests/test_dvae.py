@@ -126,6 +126,21 @@ def test_gumbel_relaxation_carries_gradients_into_the_encoder() -> None:
     assert grad is not None and grad.abs().sum() > 0
 
 
+def test_gumbel_relaxation_samples_the_codes_distribution() -> None:
+    """Gumbel-max: the argmax of the relaxed sample at any temperature is drawn from softmax(logits), as with
+    ``F.gumbel_softmax``; and the noise stays finite."""
+    from dalle_lightning.models.dvae import gumbel_softmax
+
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0]).view(1, 5, 1, 1).expand(40_000, 5, 1, 1).contiguous()
+    z = gumbel_softmax(logits, tau=0.5, dim=1)
+    assert torch.isfinite(z).all()
+    torch.testing.assert_close(z.sum(dim=1), torch.ones(40_000, 1, 1))
+    freq = torch.bincount(z.argmax(dim=1).flatten(), minlength=5).float() / 40_000
+    expected = logits[0, :, 0, 0].softmax(0)
+    assert (freq - expected).abs().max() < 0.01, (freq, expected)  # 4 standard errors at p = 0.64
+
+
 def test_logits_stay_fp32_under_bf16_autocast() -> None:
     model = tiny()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from tests.helpers.distributed import run_distributed
@@ -46,12 +45,14 @@ class Dicts(Dataset):
 @contextmanager
 def no_gumbel_noise() -> Iterator[None]:
     """The relaxation without its noise (a softmax at the same temperature): reproducible on any batch split."""
-    original = F.gumbel_softmax
-    F.gumbel_softmax = lambda logits, tau=1.0, hard=False, dim=-1: (logits / tau).softmax(dim)
+    from dalle_lightning.models import dvae
+
+    original = dvae.gumbel_softmax
+    dvae.gumbel_softmax = lambda logits, tau, dim=1: (logits / tau).softmax(dim)
     try:
         yield
     finally:
-        F.gumbel_softmax = original
+        dvae.gumbel_softmax = original
 
 
 def dvae_module() -> tuple[Any, Dataset]:
