@@ -16,13 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second
+TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second, in metrics.json
 STEPS: dict[str, list[str]] = {
     "data": ["dalle_lightning.cli.data"],
     "tokenizer": ["dalle_lightning.cli.train", "stage=tokenizer"],
-    "dvae": ["dalle_lightning.cli.train", "stage=dvae"],
+    "dvae": ["dalle_lightning.cli.train", "stage=dvae", TIMER],
     "encode": ["dalle_lightning.cli.encode"],
-    "clip": ["dalle_lightning.cli.train", "stage=clip"],
+    "clip": ["dalle_lightning.cli.train", "stage=clip", TIMER],
     "prior": ["dalle_lightning.cli.train", "stage=prior", TIMER],
     # The same stage for a few updates under the project's Strategy and Precision plugin, on 2 processes (2 simulated
     # nodes of 1 device, PowerSGD between them, per-resblock bf16 scales), so the demo exercises them end to end.
@@ -50,14 +50,16 @@ def parse(argv: list[str]) -> dict[str, str]:
     return args
 
 
-def prior_rates(work: Path) -> dict[str, float]:
-    """Training rate of the prior's runs, single process and under the plugins (their metrics.json)."""
+def training_rates(work: Path) -> dict[str, float]:
+    """Updates per second of each training stage's newest run (its metrics.json; validation excluded): the
+    demo's time per step, which its wall times mix with start-up, validation and evaluation."""
     rates = {}
-    for run in sorted((work / "runs" / "prior").glob("*/metrics.json")):
+    for run in sorted((work / "runs").glob("*/*/metrics.json")):
         blob = json.loads(run.read_text())
         rate = blob.get("metrics", {}).get("time/updates_per_s")
         if rate is not None:
-            key = "plugins_2_processes" if "strategy=sharded_powersgd" in blob.get("overrides", []) else "single_process"
+            stage = run.parent.parent.name
+            key = f"{stage}_plugins" if "strategy=sharded_powersgd" in blob.get("overrides", []) else stage
             rates[key] = round(rate, 2)
     return rates
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: demo step {step!r} failed with exit code {result.returncode}")
         print(f"== {step}: {timings[step]} s", flush=True)
     summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
-               "prior_updates_per_s": prior_rates(work)}
+               "updates_per_s": training_rates(work)}
     for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "prior_plugins.pt", "samples",
                  "eval.json"):
         if (work / name).exists():
