@@ -33,7 +33,7 @@ test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.installed
-	for f in benchmarks/*.py; do $(PY) $$f; done
+	for f in benchmarks/[!_]*.py; do $(PY) $$f; done
 
 clean:
 	rm -rf outputs multirun .pytest_cache

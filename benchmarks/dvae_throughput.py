@@ -15,7 +15,7 @@ import contextlib
 import json
 
 import torch
-from peak import best_seconds, executed_flops, matmul_peak
+from _peak import best_seconds, executed_flops, matmul_peak
 
 from dalle_lightning.models.dvae import DiscreteVAE
 
