@@ -120,6 +120,7 @@ def test_bad_input_is_one_line_with_exit_code_2(app: str, overrides: list[str], 
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_hydra_errors_from_the_console_script_are_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "dalle_lightning.cli.train", f"paths.work_dir={tmp_path}", "trainer.max_step=3"],

@@ -159,7 +159,14 @@ def build_app(app: str, cfg: DictConfig) -> list[Any]:
     return [render(sample_scenes(cfg.seed, "train", 1, cfg.image_size)[0], cfg.image_size)]
 
 
-@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: c.id)
+def is_default(combo: Combination) -> bool:
+    """The option train.yaml picks for this stage: these build in `make test-fast`, the rest in the full suite."""
+    return train_defaults().get(combo.group, "").replace("${stage}", combo.stage) == combo.option
+
+
+@pytest.mark.parametrize(
+    "combo", [pytest.param(c, id=c.id, marks=() if is_default(c) else pytest.mark.slow) for c in COMBINATIONS]
+)
 def test_combination_composes_and_builds(combo: Combination, config_dir: None, work: Path, tmp_path: Path) -> None:
     cfg = compose_app("train", combo.overrides(), work, tmp_path)
     assert cfg.stage.name == combo.stage

@@ -171,6 +171,7 @@ def _two_rank_worker(rank: int, world_size: int) -> tuple[float, float]:
     return out["val/fid_custom"], out["val/clip_score"]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_compute_the_fid_of_all_images() -> None:
     results = run_distributed(_two_rank_worker, 2, timeout=120)

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import run_app
 
 
+@pytest.mark.slow
 def test_two_job_multirun_through_submitit_local(tiny_world: Path, tmp_path: Path) -> None:
     from dalle_lightning.cli import train
 

@@ -32,6 +32,7 @@ def test_mistyped_key_is_an_error(tiny_world: Path, capsys: pytest.CaptureFixtur
     assert len(errors) == 1 and "trainr" in errors[0]
 
 
+@pytest.mark.slow
 def test_missing_shards_is_a_one_line_error_from_the_console_script(tmp_path: Path) -> None:
     import subprocess
     import sys

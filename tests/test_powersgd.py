@@ -233,6 +233,7 @@ def four_ranks() -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_full_rank_equals_exact_averaging(four_ranks: list[dict]) -> None:
     for res in four_ranks:
@@ -244,6 +245,7 @@ def test_full_rank_equals_exact_averaging(four_ranks: list[dict]) -> None:
             assert r[f"warm={warm}/compressed"] == ["conv.weight", "fc.weight", "wide"]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_replicas_agree_at_low_rank(four_ranks: list[dict]) -> None:
     for res in four_ranks:
@@ -254,6 +256,7 @@ def test_replicas_agree_at_low_rank(four_ranks: list[dict]) -> None:
         assert r["low_rank_inexact"] > 1e-3  # rank 1 really compresses (the check above is not vacuous)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("key", ["collectives_fp32", "collectives_bf16"])
 def test_one_grouped_all_reduce_each_for_flag_dense_p_q(four_ranks: list[dict], key: str) -> None:
@@ -263,6 +266,7 @@ def test_one_grouped_all_reduce_each_for_flag_dense_p_q(four_ranks: list[dict], 
         assert r["bytes"] == r["expected_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_non_finite_on_one_rank_skips_everywhere(four_ranks: list[dict]) -> None:
     for res in four_ranks:
@@ -272,6 +276,7 @@ def test_non_finite_on_one_rank_skips_everywhere(four_ranks: list[dict]) -> None
         assert r["skipped"][:2] == (1, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_bf16_and_fp16_factors(four_ranks: list[dict]) -> None:
     for res in four_ranks:
@@ -283,6 +288,7 @@ def test_bf16_and_fp16_factors(four_ranks: list[dict]) -> None:
         assert r["huge"] == (True, True, True, True)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_start_step_uses_plain_all_reduce(four_ranks: list[dict]) -> None:
     for res in four_ranks:
@@ -291,6 +297,7 @@ def test_start_step_uses_plain_all_reduce(four_ranks: list[dict]) -> None:
         assert r["sent"][0][0] == r["sent"][0][1] and r["sent"][2][0] < r["sent"][2][1]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_state_dict_round_trip_continues_identically(four_ranks: list[dict]) -> None:
     for res in four_ranks:

@@ -25,15 +25,16 @@ CADENCE = ["trainer.accumulate_grad_batches=2", "callbacks.checkpoint.every_n_tr
 # updates 4 and 8 fall mid-epoch, at 6 at an epoch's end; micro-batch 1 is half-way through a window, and the batch
 # after update 9 starts an epoch. Loader workers each read their own part of the stream (and are started anew each
 # epoch); the per-resblock fp16 scales grow at every update.
+SLOW = pytest.mark.slow  # one case stays in `make test-fast`; the others run in the full suite
 CASES = [
-    ("dvae", 0, [(7, 1), (4, 1)], []),
-    ("dvae", 1, [(9, 0)], []),
-    ("clip", 0, [(7, 1)], []),
-    ("clip", 1, [(4, 1)], []),
-    ("prior", 0, [(7, 1), (4, 1)], []),
-    ("prior", 1, [(9, 0)], []),
-    ("prior", 2, [(7, 1)], ["data.num_workers=2"]),
-    ("prior", 3, [(4, 1)], ["precision=resblock16"]),
+    pytest.param("dvae", 0, [(7, 1), (4, 1)], [], marks=SLOW),
+    pytest.param("dvae", 1, [(9, 0)], [], marks=SLOW),
+    pytest.param("clip", 0, [(7, 1)], [], marks=SLOW),
+    pytest.param("clip", 1, [(4, 1)], [], marks=SLOW),
+    pytest.param("prior", 0, [(7, 1), (4, 1)], [], marks=SLOW),
+    pytest.param("prior", 1, [(9, 0)], []),
+    pytest.param("prior", 2, [(7, 1)], ["data.num_workers=2"], marks=SLOW),
+    pytest.param("prior", 3, [(4, 1)], ["precision=resblock16"], marks=SLOW),
 ]
 
 
@@ -43,7 +44,7 @@ def _train(work: Path, stage: str, name: str, seed: int, *extra: str) -> None:
     run_app(train.main, *train_args(work, stage, name, f"seed={seed}", *CADENCE, *extra))
 
 
-@pytest.mark.parametrize(("stage", "seed", "kills", "extra"), CASES, ids=[f"{c[0]}-seed{c[1]}" for c in CASES])
+@pytest.mark.parametrize(("stage", "seed", "kills", "extra"), CASES, ids=[f"{c.values[0]}-seed{c.values[1]}" for c in CASES])
 def test_killed_and_resumed_run_ends_bit_identical(resume_work: Path, stage: str, seed: int,
                                                    kills: list[tuple[int, int]], extra: list[str]) -> None:
     work = resume_work
@@ -60,6 +61,7 @@ def test_killed_and_resumed_run_ends_bit_identical(resume_work: Path, stage: str
         assert dw == 0.0
 
 
+@pytest.mark.slow
 def test_resume_auto_twice_over_an_existing_artifact(resume_work: Path) -> None:
     """A resumed run killed again resumes again (its own checkpoints carry on), ``resume=auto`` finds the newest
     checkpoint, and an artifact already at ``output`` is replaced, not reused."""
