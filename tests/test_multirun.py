@@ -98,6 +98,7 @@ def test_summary_command_prints_a_table_and_fails_in_one_line(tmp_path: Path, ca
     assert len(err) == 1 and "missing" in err[0]
 
 
+@pytest.mark.slow
 def test_optuna_sweep_runs_three_trials_and_writes_the_summary(tiny_world: Path, tmp_path: Path) -> None:
     from dalle_lightning.cli import train
 

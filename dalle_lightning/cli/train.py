@@ -84,6 +84,7 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     """Build data, model, LightningModule, callbacks and Trainer from config; fit (from ``ckpt_path`` when
     resuming); save the artifact."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    inherited_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")  # a missing shard fails here, before a Trainer is built
     model = instantiate(cfg.model)
@@ -112,7 +113,18 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         if trainer.is_global_zero:
             save_model(cfg.output, cfg.model, model, meta=model_meta(cfg, model), state_dict=state)
             log.info("%s written to %s", cfg.stage.name, cfg.output)
+    if not inherited_group:  # a process group the caller made is the caller's to end
+        release_process_group()
     return metrics
+
+
+def release_process_group() -> None:
+    """End the run's process group once the artifact is written and no collective is left. Left to the
+    interpreter's exit, gloo's threads are torn down in no set order and a rank can abort after a finished run
+    ("terminate called without an active exception"), which torchrun reports as a failed job."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def model_state_dict(trainer: pl.Trainer, module: pl.LightningModule, model: torch.nn.Module) -> dict[str, torch.Tensor]:
