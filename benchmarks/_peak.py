@@ -37,6 +37,14 @@ def best_seconds(step, steps: int, warmup: int = 2) -> float:
     return min(times)
 
 
+def timed_against_peak(step, dtype: torch.dtype, steps: int) -> tuple[float, float]:
+    """``(seconds, peak)``: the fastest of ``steps`` calls of ``step()`` and the ``dtype`` matmul peak (GFLOP/s),
+    the better of a measurement right before and one right after the run."""
+    before = matmul_peak(dtype)
+    seconds = best_seconds(step, steps)
+    return seconds, max(before, matmul_peak(dtype))
+
+
 def executed_flops(step) -> int:
     """FLOPs one call of ``step()`` executes in matrix products and convolutions (forward and backward), counted
     by ``torch.utils.flop_counter``: includes work a sparse kernel computes and then masks."""

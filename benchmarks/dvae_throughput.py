@@ -15,12 +15,13 @@ import contextlib
 import json
 
 import torch
-from _peak import best_seconds, executed_flops, matmul_peak
+from _peak import executed_flops, timed_against_peak
 
 from dalle_lightning.models.dvae import DiscreteVAE
+from strategies.dtypes import resolve_dtype
 
 DEMO = dict(image_size=64, group_count=4, n_hid=32, n_blk_per_group=1, vocab_size=512, codebook_dim=64)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = ["fp32", "bf16"]  # names resolve_dtype knows
 
 
 def measure(batch: int, precision: str, channels_last: bool, optimizer: str, steps: int) -> dict:
@@ -39,9 +40,7 @@ def measure(batch: int, precision: str, channels_last: bool, optimizer: str, ste
         loss.backward()
         opt.step()
 
-    peak_before = matmul_peak(DTYPES[precision])
-    seconds = best_seconds(step, steps)
-    peak = max(peak_before, matmul_peak(DTYPES[precision]))
+    seconds, peak = timed_against_peak(step, resolve_dtype(precision), steps)
     flops = executed_flops(step)
     achieved = flops / seconds / 1e9
     return {"batch": batch, "precision": precision, "channels_last": channels_last,
@@ -53,7 +52,7 @@ def measure(batch: int, precision: str, channels_last: bool, optimizer: str, ste
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", nargs="+", type=int, default=[8, 32])
-    parser.add_argument("--precisions", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=PRECISIONS)
     parser.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
                         help="AdamW implementation (the stage configs use fused)")
     parser.add_argument("--steps", type=int, default=6)

@@ -25,9 +25,10 @@ import contextlib
 import json
 
 import torch
-from _peak import best_seconds, executed_flops, matmul_peak
+from _peak import executed_flops, timed_against_peak
 
 from dalle_lightning.models.prior import DallePrior
+from strategies.dtypes import resolve_dtype
 
 SHAPES = {
     "demo": (dict(text_vocab_size=128, text_len=20, image_vocab_size=512, image_grid=8, n_layer=6, n_head=4,
@@ -37,7 +38,7 @@ SHAPES = {
     "matched16": (dict(text_vocab_size=1024, text_len=64, image_vocab_size=512, image_grid=16, n_layer=8,
                        n_head=4, d_head=64), 16),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = ["fp32", "bf16"]  # names resolve_dtype knows
 
 
 def model_flops_per_token(model: DallePrior) -> float:
@@ -69,9 +70,7 @@ def measure(shape: str, precision: str, optimizer: str, impl: str, steps: int) -
         opt.step()
 
     tokens = batch * (config["text_len"] + config["image_grid"] ** 2)
-    peak_before = matmul_peak(DTYPES[precision])
-    seconds = best_seconds(step, steps)
-    peak = max(peak_before, matmul_peak(DTYPES[precision]))
+    seconds, peak = timed_against_peak(step, resolve_dtype(precision), steps)
     flops = model_flops_per_token(model)
     achieved = flops * tokens / seconds / 1e9
     return {"shape": shape, "precision": precision, "batch": batch, "tokens_per_s": round(tokens / seconds),
@@ -84,7 +83,7 @@ def measure(shape: str, precision: str, optimizer: str, impl: str, steps: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["demo", "matched8", "matched16"])
-    parser.add_argument("--precisions", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=PRECISIONS)
     parser.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
                         help="AdamW implementation (the stage configs use fused)")
     parser.add_argument("--impl", choices=["sparse", "dense"], default="sparse")

@@ -27,11 +27,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 
-from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.artifacts import load_frozen
+from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.lit.schedules import optimizers_from_factories
 from open_clip.loss import ClipLoss
 from open_clip.modified_resnet import Bottleneck

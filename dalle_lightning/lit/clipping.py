@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
 
@@ -33,8 +34,6 @@ class FusedOptimizerClipping(pl.LightningModule):
             return
         if precision.scaler is not None:
             precision.scaler.unscale_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        # The gradients are true now: Lightning's own clipping, without MixedPrecision's refusal in front of it.
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+        Precision.clip_gradients(precision, optimizer, gradient_clip_val, algorithm)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from dalle_lightning.lit.clipping import FusedOptimizerClipping

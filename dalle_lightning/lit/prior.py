@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from typing_extensions import override
 
-from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.artifacts import load_frozen
+from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.sampling import sample_image_tokens
 
