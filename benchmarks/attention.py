@@ -1,7 +1,7 @@
 """Sparse (blocked) vs dense-mask attention: forward + backward time per attention kind, printed as JSON.
 
 Shapes: the paper's stream (256 text + start = 257 text positions, 32x32 image) with a few heads of 64, and the
-demo's (caption positions + start and head width read from ``dalle_lightning/conf/model/prior_shapes.yaml``, 8x8 image).
+demo's (caption positions + start and head width read from ``conf/model/prior_shapes.yaml``, 8x8 image).
 Default dtype fp32 (``--dtype bf16`` for bf16 inputs; softmax stays fp32).
 Usage: ``python benchmarks/attention.py [--heads 4] [--batch 1] [--dtype fp32] [--repeats 5] [--threads N]``.
 """
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    demo = OmegaConf.load(Path(__file__).resolve().parents[1] / "dalle_lightning/conf/model/prior_shapes.yaml")
+    demo = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
     shapes = {"paper": (257, 32, 64, args.batch), "demo": (demo.text_len + 1, 8, demo.d_head, 16 * args.batch)}
     results = []
     for shape, (n_text, grid, d_head, batch) in shapes.items():

@@ -1,6 +1,6 @@
 """Sampling latency per image with and without the KV cache at the demo shape, printed as JSON.
 
-Demo shape: the layers, heads, caption positions and conv kernel of ``dalle_lightning/conf/model/prior_shapes.yaml`` (read from it, so
+Demo shape: the layers, heads, caption positions and conv kernel of ``conf/model/prior_shapes.yaml`` (read from it, so
 the benchmark follows the config), 8x8 image tokens, 512 image codes; random weights (latency does not depend on them). Both modes draw the same tokens for the same
 seed (tested in ``tests/test_sampling.py``), so only the time differs.
 Usage: ``python benchmarks/sampling.py [--batch 16] [--cond-scale 1.0] [--impl sparse] [--repeats 3] [--threads N]``.
@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.sampling import sample_image_tokens
 
-PRIOR = OmegaConf.load(Path(__file__).resolve().parents[1] / "dalle_lightning/conf/model/prior_shapes.yaml")
+PRIOR = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
 # Vocabularies and grid come from the trained tokenizer and dVAE in the config; fixed here to the demo's values.
 DEMO = dict(text_vocab_size=128, text_len=PRIOR.text_len, image_vocab_size=512, image_grid=8, n_layer=PRIOR.n_layer,
             n_head=PRIOR.n_head, d_head=PRIOR.d_head, conv_kernel=PRIOR.conv_kernel)

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-CONF = Path(__file__).resolve().parents[1] / "dalle_lightning" / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAINER_GROUPS = frozenset({"trainer", "strategy", "precision", "logger"})  # rule 4
 APPS = ("encode", "eval", "generate", "world")  # the other apps' primary configs
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "dalle_lightning" / "conf"
+CONF = ROOT / "conf"
 
 
 def run_app(main: Callable[[], Any], *overrides: str) -> None:

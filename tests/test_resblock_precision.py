@@ -201,7 +201,7 @@ def test_hydra_config_gives_the_paper_rules() -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "dalle_lightning" / "conf" / "precision" / "resblock16.yaml")
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "precision" / "resblock16.yaml")
     plugin = instantiate(conf)
     assert isinstance(plugin, ResblockScalingPrecision) and plugin.dtype == torch.float16
     assert plugin.rules == ResblockScalingPrecision().rules  # the config spells out the defaults: the paper's

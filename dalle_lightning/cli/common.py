@@ -186,5 +186,14 @@ def to_container(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-# The Hydra config tree, shipped inside the package (so an installed wheel has it too).
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+def _conf_dir() -> str:
+    """The Hydra config tree: the checkout's top-level ``conf/``, or the copy an installed wheel carries as
+    ``dalle_lightning/conf`` (pyproject maps one onto the other)."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"no Hydra configs found in {package / 'conf'} or {package.parent / 'conf'}")
+
+
+CONF_DIR = _conf_dir()

@@ -11,7 +11,7 @@ Usage::
 
     python -m dalle_lightning.cli.sweep_summary outputs/shapes/runs/multirun/2026-01-01_12-00-00 [--metric val/loss]
 
-and automatically at the end of a sweep through the Hydra callback :class:`SweepSummary` (``dalle_lightning/conf/sweep/*.yaml``
+and automatically at the end of a sweep through the Hydra callback :class:`SweepSummary` (``conf/sweep/*.yaml``
 attach it; add ``+hydra.callbacks.summary._target_=dalle_lightning.cli.sweep_summary.SweepSummary`` to any
 other multirun). ``summary.json`` and ``summary.txt`` are written into the sweep directory.
 """
