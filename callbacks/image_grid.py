@@ -14,11 +14,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torchvision.utils import make_grid, save_image
+from PIL import Image
+from torchvision.utils import make_grid
 from typing_extensions import override
 
 from callbacks.log_image import log_image
 from callbacks.sharding import full_parameters
+from strategies.atomic_files import save_image
 
 
 def _images_of(batch: Any, key: str) -> torch.Tensor:
@@ -110,7 +112,8 @@ class ReconstructionGrid(pl.Callback):
         if not trainer.is_global_zero:
             return
         grid = self.grid(originals, recon)
-        os.makedirs(dirpath, exist_ok=True)
         self.last_path = os.path.join(dirpath, f"recon_epoch{trainer.current_epoch}.png")
-        save_image(grid, self.last_path)
+        # torchvision's save_image rounding, written through the atomic writer
+        pixels = grid.mul(255).add_(0.5).clamp_(0, 255).permute(1, 2, 0).to("cpu", torch.uint8).numpy()
+        save_image(Image.fromarray(pixels), self.last_path)
         log_image(trainer, self.tag, grid, caption="originals (odd rows) over reconstructions (even rows)")

@@ -29,6 +29,7 @@ from callbacks.batches import take
 from callbacks.captioned_grid import render_captioned_grid
 from callbacks.log_image import log_image
 from callbacks.sharding import full_parameters
+from strategies.atomic_files import save_image
 
 
 class SampleGrid(pl.Callback):
@@ -89,7 +90,6 @@ class SampleGrid(pl.Callback):
         if not trainer.is_global_zero:
             return
         canvas = render_captioned_grid(images, captions, columns=self.columns, scale=self.scale)
-        os.makedirs(dirpath, exist_ok=True)
         self.last_path = os.path.join(dirpath, f"samples_step{trainer.global_step}.png")
-        canvas.save(self.last_path)
+        save_image(canvas, self.last_path)
         log_image(trainer, self.tag, pil_to_tensor(canvas).float() / 255, caption=" | ".join(captions))

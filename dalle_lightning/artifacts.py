@@ -5,15 +5,13 @@ An artifact is a ``torch.save``d dict ``{"config": <Hydra _target_ dict>, "state
 ``meta`` holds facts other stages read through config resolvers (a dVAE's vocabulary and grid size, a
 tokenizer's vocabulary) and ``sha256``, the digest of the weights that later artifacts record (``lineage``).
 Only finite weights are written: a diverged run must not leave a file that later stages take for a trained
-model. Writes go to a temporary file renamed into place, so an interrupted save never leaves a half-written
+model. Writes go through ``strategies.atomic_files`` (a temporary file renamed into place), so an interrupted save never leaves a half-written
 artifact behind.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from strategies.atomic_files import torch_save
 
 # Which model class each stage saves (for files whose metadata predates the ``stage`` field).
 STAGE_TARGETS = {"dvae": ".models.dvae.", "prior": ".models.prior.", "clip": ".models.clip."}
@@ -37,18 +37,6 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def atomic_save(obj: Any, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def save_model(
     path: str | Path,
     config: DictConfig | dict,
@@ -61,7 +49,7 @@ def save_model(
     source = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().cpu().contiguous() for k, v in source.items()}
     check_finite(state, path)
-    return atomic_save({"config": cfg, "state_dict": state, "meta": {**(meta or {}), "sha256": weights_digest(state)}}, path)
+    return torch_save({"config": cfg, "state_dict": state, "meta": {**(meta or {}), "sha256": weights_digest(state)}}, path)
 
 
 def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
@@ -157,12 +145,3 @@ def register_resolvers() -> None:
     """``${meta:PATH,KEY}`` in configs reads a value from an earlier stage's artifact."""
     if not OmegaConf.has_resolver("meta"):
         OmegaConf.register_new_resolver("meta", lambda path, key: read_meta(path, key))
-
-
-def write_json(obj: Any, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-    return path

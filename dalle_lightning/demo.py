@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from strategies.atomic_files import write_json
+
 TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second, in metrics.json
 STEPS: dict[str, list[str]] = {
     "data": ["dalle_lightning.cli.data"],
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     grids = sorted(work.glob("runs/dvae/*/recon_*.png")) + sorted(work.glob("runs/dvae/*/**/recon_*.png"))
     if grids:
         summary.setdefault("outputs", {})["reconstruction_grid"] = str(grids[-1])
-    (work / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(work / "demo.json", summary, sort_keys=False)
     print(json.dumps(summary, indent=2))
 
 

@@ -18,6 +18,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from strategies.atomic_files import write_json
+
 MARKER = ".dalle-lightning.json"
 WRITERS = {"images": "dalle-data", "tokens": "dalle-encode", "samples": "dalle-generate"}
 DESCRIBED = {"images": "image shards", "tokens": "token shards", "samples": "generated samples"}
@@ -38,10 +40,7 @@ def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 def write_marker(folder: str | os.PathLike, kind: str, **record: Any) -> None:
     """Mark ``folder`` as ``kind`` output (with facts later commands check, e.g. the dVAE of token shards)."""
-    path = Path(folder) / MARKER
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"kind": kind, "writer": WRITERS[kind], **record}, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_json(Path(folder) / MARKER, {"kind": kind, "writer": WRITERS[kind], **record})
 
 
 def _shard_members(path: Path) -> set[str]:

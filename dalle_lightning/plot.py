@@ -14,6 +14,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
+from strategies.atomic_files import save_image
+
 Point = tuple[float, float]
 COLOURS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
 PANEL_W, PANEL_H = 360, 280
@@ -118,9 +120,7 @@ def line_chart(panels: list[Panel], path: str | Path) -> list[Axes]:
     image = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
     font = ImageFont.load_default()
     axes = [draw_panel(image, p, (i * PANEL_W, 0), font) for i, p in enumerate(panels)]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    save_image(image, path)
     return axes
 
 

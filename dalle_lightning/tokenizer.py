@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from strategies.atomic_files import atomic_path
+
 log = logging.getLogger(__name__)
 
 PAD_ID = 0
@@ -64,12 +66,9 @@ class CaptionTokenizer:
         return cls(Tokenizer.from_file(str(path)), text_len)
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (temp file, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        self.tokenizer.save(str(tmp))
-        tmp.replace(path)
+        """Write ``tokenizer.json`` atomically (``strategies.atomic_files``)."""
+        with atomic_path(path) as tmp:
+            self.tokenizer.save(str(tmp))
 
     @property
     def vocab_size(self) -> int:

@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from strategies.atomic_files import temporary_name, torch_save
+
 METADATA_FILENAME = "meta.pt"
 MODEL_KEY = "state_dict"
 
@@ -56,6 +58,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _shared_temporary_name(path: Path) -> Path:
+    """Rank 0's unique temporary name beside ``path``, the same on every rank (all of them write into it)."""
+    name = [temporary_name(path)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
 def is_sharded_checkpoint(path: str | Path) -> bool:
     path = Path(path)
     return path.is_dir() and (path / ".metadata").is_file()
@@ -67,15 +77,14 @@ def save_sharded(path: str | Path, state: dict[str, Any], metadata: dict[str, An
     All ranks must pass the same ``path`` on a shared filesystem.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    old = path.with_name(f".{path.name}.old")
+    tmp = _shared_temporary_name(path)
+    old = temporary_name(path)
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     dcp.save(state, checkpoint_id=tmp)
     if _rank() == 0:
-        torch.save(metadata, tmp / METADATA_FILENAME)
+        torch_save(metadata, tmp / METADATA_FILENAME)
     _barrier()  # every rank's shards are on disk before the rename publishes them
     if _rank() == 0:
         if path.is_file():

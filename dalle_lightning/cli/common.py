@@ -128,16 +128,34 @@ def check_options(argv: list[str]) -> None:
         fail(f"unknown option(s) {options}; expected key=value overrides or one of --help, --cfg, --info, --multirun")
 
 
-def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
-    """``@hydra.main`` on the packaged configs, with one-line errors for both the app and Hydra itself.
+def rank_zero_app(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Run a single-process app on global rank 0 only: launched by torchrun or srun on several processes, the
+    others return at once instead of writing the same outputs (markers, samples, reports) a second time."""
+
+    @functools.wraps(task)
+    def wrapper(cfg: DictConfig) -> Any:
+        rank = process_rank()
+        if rank != 0:
+            logging.getLogger("dalle_lightning").debug("rank %d: this command runs on rank 0 only", rank)
+            return None
+        return task(cfg)
+
+    return wrapper
+
+
+def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
+    """``@hydra.main`` on the project's configs, with one-line errors for both the app and Hydra itself.
 
     Hydra prints its own errors (a mistyped key, an unknown config option) over several lines and exits with 1;
     with ``HYDRA_FULL_ERROR`` set it raises them instead, and this wrapper turns them into one line, exit code 2.
+    Unless ``every_rank`` (training: every process of a distributed run takes part), the app runs on global rank 0
+    only, so each output has one writer.
     """
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        body = task if every_rank else rank_zero_app(task)
         hydra_main = hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(
-            one_line_errors(quiet_libraries(task)))
+            one_line_errors(quiet_libraries(body)))
 
         @functools.wraps(task)
         def main() -> Any:

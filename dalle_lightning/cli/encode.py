@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from dalle_lightning.data.shards import resolve_shards
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
 from dalle_lightning.tokenizer import CaptionTokenizer
+from strategies.atomic_files import temporary_name
 
 log = logging.getLogger("dalle_lightning.encode")
 
@@ -52,10 +54,24 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
     keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
     stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0)
     loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
     claim(out_dir, "tokens")
-    replace_dir(tmp, "tokens")  # a crashed earlier run's leftovers, never a directory of other files
+    tmp = temporary_name(out_dir)  # this run's own name: a second run never writes into or removes it
     tmp.mkdir(parents=True)
+    try:
+        n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if reader.skipped:
+        log.warning("skipped %d input samples: %s", sum(reader.skipped.values()), dict(reader.skipped))
+    replace_dir(out_dir, "tokens")
+    tmp.rename(out_dir)
+    return n
+
+
+def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: torch.utils.data.DataLoader,
+                  tmp: Path, shard_size: int, bf16: bool, record: dict | None) -> int:
+    """Encode every batch of ``loader`` into token shards in ``tmp``; the number of samples written."""
     write_marker(tmp, "tokens", **(record or {}))
     n = 0
     # mtime=0 (an int): reproducible bytes, and no per-member PAX header, which the prior's loader would parse
@@ -70,10 +86,6 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
                 sink.write({"__key__": key, "codes.npy": _npy(code.astype(np.uint16)), "ids.npy": _npy(ids),
                             "txt": text.encode("utf-8")})
                 n += 1
-    if reader.skipped:
-        log.warning("skipped %d input samples: %s", sum(reader.skipped.values()), dict(reader.skipped))
-    replace_dir(out_dir, "tokens")
-    tmp.rename(out_dir)
     return n
 
 

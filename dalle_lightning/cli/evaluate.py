@@ -8,7 +8,7 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_lightning.artifacts import write_json
+from strategies.atomic_files import write_json
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 
@@ -61,7 +61,7 @@ def run(cfg: DictConfig) -> dict:
                       batch_size=cfg.batch_size, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                       cond_scale=cfg.cond_scale)
     report["config"] = OmegaConf.to_container(cfg, resolve=True)
-    write_json(report, cfg.out)
+    write_json(cfg.out, report)
     if cfg.plot:
         plot_report(report, cfg.plot)
     print(json.dumps({**summary(report), "report": cfg.out, "plot": cfg.plot}))

@@ -29,6 +29,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from strategies.atomic_files import write_json, write_text
+
 log = logging.getLogger("dalle_lightning.sweep")
 
 FALLBACK_METRICS = ("val/loss", "train/loss")
@@ -128,8 +130,8 @@ def format_table(summary: dict[str, Any]) -> str:
 def write_summary(sweep_dir: str | Path, metric: str | None = None, mode: str | None = None) -> dict[str, Any]:
     """Summarise and write ``summary.json`` and ``summary.txt`` into the sweep directory."""
     summary = summarize(sweep_dir, metric, mode)
-    (Path(sweep_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (Path(sweep_dir) / "summary.txt").write_text(format_table(summary) + "\n")
+    write_json(Path(sweep_dir) / "summary.json", summary, sort_keys=False)
+    write_text(Path(sweep_dir) / "summary.txt", format_table(summary) + "\n")
     return summary
 
 

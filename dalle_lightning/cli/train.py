@@ -8,7 +8,6 @@ exactly where it stopped; ``docs/resume.md``). Returns the final metrics, which 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,12 @@ from omegaconf import DictConfig
 
 from callbacks.epoch_end_resume import EpochEndResume
 from callbacks.random_state import RandomState
-from dalle_lightning.artifacts import save_model, write_json
+from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks
-from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, strategy_and_precision
+from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
 from dalle_lightning.cli.resume import resume_checkpoint
 from dalle_lightning.lineage import stage_record
+from strategies.atomic_files import write_json
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -164,13 +164,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-@hydra_app("train")
+@hydra_app("train", every_rank=True)
 def main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process runs this app: one writer
-        write_json({"overrides": list(hydra_cfg.overrides.task), "metrics": metrics}, run_dir / "metrics.json")
+    # Every process of a run runs this app (torchrun, and Lightning's launcher, which starts the others with
+    # LOCAL_RANK but no RANK): the global rank decides the one writer.
+    if process_rank() == 0:
+        write_json(run_dir / "metrics.json", {"overrides": list(hydra_cfg.overrides.task), "metrics": metrics})
+        log.info("metrics written to %s by rank 0", run_dir / "metrics.json")
     if cfg.objective is None:
         return None
     if cfg.objective not in metrics:

@@ -18,7 +18,6 @@ that ``open_clip.create_model("local-dir:<dir>")`` reads directly.
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from copy import deepcopy
@@ -28,6 +27,8 @@ from typing import Any
 import open_clip
 import torch
 from torch import nn
+
+from strategies.atomic_files import torch_save, write_json
 
 SHAPES_CLIP = "shapes-clip"
 
@@ -59,7 +60,7 @@ def register_config(name: str, model_cfg: dict[str, Any]) -> None:
     first = _registry_dir is None
     if first:
         _registry_dir = Path(tempfile.mkdtemp(prefix="dalle_lightning_open_clip_"))
-    (_registry_dir / f"{name}.json").write_text(json.dumps(model_cfg))
+    write_json(_registry_dir / f"{name}.json", model_cfg, sort_keys=False)
     if first:
         open_clip.add_model_config(_registry_dir)
     else:
@@ -150,8 +151,9 @@ def save(model: nn.Module, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {"model_cfg": deepcopy(spec["model_cfg"]), "preprocess_cfg": spec["preprocess_cfg"]}
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    torch.save(model.state_dict(), directory / WEIGHTS_FILE)
+    # Weights first, config last: a directory with a config holds the weights that belong to it.
+    torch_save(model.state_dict(), directory / WEIGHTS_FILE)
+    write_json(directory / CONFIG_FILE, config, sort_keys=False)
     return directory
 
 

@@ -22,6 +22,7 @@ from webdataset import TarWriter
 
 from dalle_lightning.outputs import claim, remove_stale_shards, write_marker
 from dalle_lightning.world.render import render
+from strategies.atomic_files import atomic_path
 from dalle_lightning.world.scene import SPLITS, Scene, split_rng, sample_scene
 
 # Fixed tar member time, for reproducible bytes. An int: a float mtime makes tarfile add a PAX header to every
@@ -47,15 +48,10 @@ def sample_record(key: str, scene: Scene, image_size: int) -> dict:
 
 
 def _write_shard(path: Path, records: Iterable[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as stream, TarWriter(stream, encoder=False, mtime=_MTIME) as sink:
             for record in records:
                 sink.write(record)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_split(out_dir: str | os.PathLike, split: str, n: int, seed: int, shard_size: int, image_size: int) -> str:

@@ -1,0 +1,1 @@
+"""Reusable Lightning callbacks (schedules, image grids, FID). Never imports ``dalle_lightning``."""

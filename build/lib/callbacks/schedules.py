@@ -1,0 +1,69 @@
+"""Cosine schedules for scalar hyper-parameters that live on the LightningModule as attributes.
+
+The dVAE's Gumbel temperature and KL weight change every update (paper: tau 1 -> 1/16 over 150k updates,
+beta 0 -> 6.6 over the first 5k). Keeping them in callbacks, not in ``training_step``, lets any module take
+part: the protocol is just a float attribute whose name is configured (``temperature``, ``kl_weight``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+
+def cosine(step: int, start: float, end: float, steps: int) -> float:
+    """Cosine interpolation from ``start`` (step 0) to ``end`` (step >= ``steps``); constant afterwards."""
+    if steps <= 0 or step >= steps:
+        return end
+    return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+
+class CosineAttributeSchedule(pl.Callback):
+    """Sets ``pl_module.<attribute>`` from a cosine schedule before every training batch and logs it.
+
+    The value depends only on ``trainer.global_step`` (optimizer updates), so a resumed run continues the
+    schedule where it stopped, and gradient accumulation does not stretch it.
+    """
+
+    def __init__(self, attribute: str, start: float, end: float, steps: int, log_name: str | None = None) -> None:
+        if steps < 0:
+            raise ValueError(f"steps={steps} is negative; expected the number of updates the schedule spans (>= 0)")
+        self.attribute = attribute
+        self.start = float(start)
+        self.end = float(end)
+        self.steps = int(steps)
+        self.log_name = log_name or f"schedule/{attribute}"
+
+    def value(self, step: int) -> float:
+        return cosine(step, self.start, self.end, self.steps)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not hasattr(pl_module, self.attribute):
+            raise AttributeError(
+                f"{type(pl_module).__name__} has no attribute {self.attribute!r}; "
+                f"{type(self).__name__} expects the module to define it as a float"
+            )
+        setattr(pl_module, self.attribute, self.value(trainer.global_step))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
+        value = self.value(trainer.global_step)
+        setattr(pl_module, self.attribute, value)
+        pl_module.log(self.log_name, value, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)
+
+
+class TemperatureAnnealing(CosineAttributeSchedule):
+    """Gumbel-softmax temperature, cosine from 1 to 1/16 (the paper's schedule, which beat linear decay)."""
+
+    def __init__(self, start: float = 1.0, end: float = 1.0 / 16, steps: int = 150_000, attribute: str = "temperature") -> None:
+        super().__init__(attribute, start, end, steps, log_name="schedule/temperature")
+
+
+class KLWeightAnnealing(CosineAttributeSchedule):
+    """KL weight beta, cosine from 0 to ``beta`` over a warm-up, then constant (paper: 6.6 over 5,000 updates)."""
+
+    def __init__(self, beta: float = 6.6, steps: int = 5_000, start: float = 0.0, attribute: str = "kl_weight") -> None:
+        super().__init__(attribute, start, beta, steps, log_name="schedule/kl_weight")

@@ -1,0 +1,57 @@
+"""Log the data module's skipped shards and samples as metrics, summed over ranks.
+
+Protocol: the data module has ``skip_counts() -> dict[str, int]`` with the same reasons, in the same order, on every
+rank (the counts of that rank's process and its loader workers). Every ``every_n_steps`` updates and at the end of
+training the counts are summed over ranks (one all-reduce; every rank takes part, at the same update) and rank 0
+logs ``data/skipped/<reason>`` and ``data/skipped_total``: a skip never stops training, but it shows in the logs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+
+def metric_name(reason: str) -> str:
+    """``"caption is not UTF-8"`` -> ``"data/skipped/caption_is_not_utf_8"``."""
+    return "data/skipped/" + re.sub(r"\W+", "_", reason.lower()).strip("_")
+
+
+class SkippedSampleMetrics(pl.Callback):
+    """Sums ``trainer.datamodule.skip_counts()`` over ranks and logs it (rank 0) every ``every_n_steps`` updates."""
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps}; expected a positive number of updates or null")
+        self.every_n_steps = every_n_steps
+        self._logged_step = -1
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        counts_of = getattr(trainer.datamodule, "skip_counts", None)
+        if not callable(counts_of) or trainer.global_step == self._logged_step:
+            return
+        self._logged_step = trainer.global_step
+        counts: dict[str, int] = counts_of()
+        local = torch.tensor(list(counts.values()), dtype=torch.float64, device=pl_module.device)
+        total = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
+        if not trainer.is_global_zero:
+            return
+        metrics: dict[str, Any] = {metric_name(k): float(v) for k, v in zip(counts, total.tolist())}
+        metrics["data/skipped_total"] = float(total.sum())
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        every = self.every_n_steps or trainer.log_every_n_steps or 50
+        if trainer.global_step % every == 0:
+            self._log(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, pl_module)

@@ -1,0 +1,217 @@
+"""What every command-line app shares: config validation, one-line errors, quiet libraries, instantiation helpers.
+
+Every bad input ends the app with one line, ``error: <key>=<value>; expected ...``, and exit code 2, printed by
+rank 0 only: the app's own checks (``one_line_errors``), Hydra's errors about the command line (a mistyped key, a
+missing config group option, an unknown ``--option``: ``hydra_app``), and library errors about a value. Set
+``DALLE_DEBUG=1`` for the traceback instead. Libraries' INFO logs (open_clip's model-config lines, ...) are off
+unless ``verbose=true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from pathlib import Path
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import hydra
+from hydra.errors import HydraException, InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dalle_lightning.artifacts import register_resolvers
+
+log = logging.getLogger("dalle_lightning")
+
+register_resolvers()
+
+
+def check_keys(cfg: DictConfig, allowed: Iterable[str], where: str = "config") -> None:
+    """A mistyped top-level key (e.g. from an experiment file) is an error, not silently ignored."""
+    unknown = sorted(set(cfg.keys()) - set(allowed) - {"hydra"})
+    if unknown:
+        raise KeyError(f"unknown {where} key(s) {unknown}; expected one of {sorted(allowed)}")
+
+
+def process_rank() -> int:
+    """This process's global rank (0 outside distributed runs), as Lightning knows it or its launcher set it."""
+    try:
+        from lightning_utilities.core.rank_zero import rank_zero_only
+
+        rank = getattr(rank_zero_only, "rank", None)
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        rank = None
+    if rank is None:
+        rank = next((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID") if k in os.environ), 0)
+    return int(rank)
+
+
+def fail(message: str) -> None:
+    """Print ``error: <first line of message>`` (rank 0 only) and exit with code 2."""
+    text = message.strip()
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]  # a KeyError's message arrives quoted
+    line = text.splitlines()[0] if text else "unknown error"
+    if process_rank() == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Bad input ends the app with one line naming the value, not a traceback (set DALLE_DEBUG=1 for it)."""
+
+    @functools.wraps(main)
+    def wrapper(cfg: DictConfig) -> Any:
+        try:
+            return main(cfg)
+        except (FileNotFoundError, ValueError, KeyError, FloatingPointError, InstantiationException) as exc:
+            if os.environ.get("DALLE_DEBUG"):
+                raise
+            if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
+                exc = exc.__cause__  # Hydra wraps the constructor's own error; show that one
+            fail(str(exc) or type(exc).__name__)
+
+    return wrapper
+
+
+def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Libraries' INFO logs off unless ``verbose=true`` (the project's own stay); on ranks other than 0, the
+    project's INFO and WARNING logs off too, so a distributed run prints once."""
+
+    @functools.wraps(main)
+    def wrapper(cfg: DictConfig) -> Any:
+        if not cfg.get("verbose", False):
+            logging.getLogger().setLevel(logging.WARNING)
+            logging.getLogger("dalle_lightning").setLevel(logging.INFO)
+        if process_rank() != 0:
+            logging.getLogger("dalle_lightning").setLevel(logging.ERROR)
+        return main(cfg)
+
+    return wrapper
+
+
+def _hydra_error_line(exc: BaseException) -> str:
+    """One line from Hydra's multi-line composition errors: its first line, the cause's first line, the hint."""
+    lines = [line.strip().rstrip(".") for line in str(exc).splitlines() if line.strip()]
+    parts = lines[:1]
+    options = getattr(exc, "options", None)
+    if options:
+        parts.append(f"expected one of {sorted(options)}")
+    cause = exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        parts.append(str(cause).strip().splitlines()[0])
+    hints = [line for line in lines[1:] if line.startswith("To append")]
+    return "; ".join(parts + hints) or type(exc).__name__
+
+
+def check_options(argv: list[str]) -> None:
+    """An unknown ``--option`` (or a malformed known one) is one line with exit code 2, as Hydra would not say."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def one_line(message: str) -> None:
+        raise argparse.ArgumentError(None, message)
+
+    parser.error = one_line  # type: ignore[method-assign]
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        fail(f"{exc.message}; run with --help for the options")
+    options = [a for a in unknown if a.startswith("-")]
+    if options:
+        fail(f"unknown option(s) {options}; expected key=value overrides or one of --help, --cfg, --info, --multirun")
+
+
+def rank_zero_app(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Run a single-process app on global rank 0 only: launched by torchrun or srun on several processes, the
+    others return at once instead of writing the same outputs (markers, samples, reports) a second time."""
+
+    @functools.wraps(task)
+    def wrapper(cfg: DictConfig) -> Any:
+        rank = process_rank()
+        if rank != 0:
+            logging.getLogger("dalle_lightning").debug("rank %d: this command runs on rank 0 only", rank)
+            return None
+        return task(cfg)
+
+    return wrapper
+
+
+def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[[DictConfig], Any]], Callable[[], Any]]:
+    """``@hydra.main`` on the project's configs, with one-line errors for both the app and Hydra itself.
+
+    Hydra prints its own errors (a mistyped key, an unknown config option) over several lines and exits with 1;
+    with ``HYDRA_FULL_ERROR`` set it raises them instead, and this wrapper turns them into one line, exit code 2.
+    Unless ``every_rank`` (training: every process of a distributed run takes part), the app runs on global rank 0
+    only, so each output has one writer.
+    """
+
+    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        body = task if every_rank else rank_zero_app(task)
+        hydra_main = hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(
+            one_line_errors(quiet_libraries(body)))
+
+        @functools.wraps(task)
+        def main() -> Any:
+            check_options(sys.argv[1:])
+            debug = bool(os.environ.get("DALLE_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"))
+            before = os.environ.get("HYDRA_FULL_ERROR")
+            os.environ["HYDRA_FULL_ERROR"] = "1"
+            try:
+                return hydra_main()
+            except (HydraException, OmegaConfBaseException) as exc:
+                if debug:
+                    raise
+                fail(_hydra_error_line(exc))
+            finally:
+                if before is None:
+                    os.environ.pop("HYDRA_FULL_ERROR", None)
+                else:
+                    os.environ["HYDRA_FULL_ERROR"] = before
+
+        return main
+
+    return decorate
+
+
+def instantiate_dict(nodes: DictConfig | None) -> list[Any]:
+    """Instantiate every ``_target_`` node of a dict-of-nodes config (callbacks), in key order."""
+    if not nodes:
+        return []
+    return [instantiate(node) for _, node in nodes.items() if node is not None and "_target_" in node]
+
+
+def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
+    """Trainer kwargs for the strategy and precision groups: a registered name, or a plugin object."""
+    kwargs: dict[str, Any] = {}
+    strat = cfg.strategy
+    kwargs["strategy"] = instantiate(strat) if "_target_" in strat else strat.name
+    prec = cfg.precision
+    if "_target_" in prec:
+        kwargs["plugins"] = [instantiate(prec)]
+    else:
+        kwargs["precision"] = prec.name
+    return kwargs
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def _conf_dir() -> str:
+    """The Hydra config tree: the checkout's top-level ``conf/``, or the copy an installed wheel carries as
+    ``dalle_lightning/conf`` (pyproject maps one onto the other)."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"no Hydra configs found in {package / 'conf'} or {package.parent / 'conf'}")
+
+
+CONF_DIR = _conf_dir()

@@ -1,0 +1,143 @@
+"""``dalle-encode``: run a trained dVAE over image shards and write token shards for the prior.
+
+Each output sample keeps the input's key and caption and adds ``codes.npy`` (uint16 argmax codes in raster
+order: the paper encodes images for the prior without Gumbel noise) and ``ids.npy`` (caption ids, unpadded).
+Shards are written under a temporary directory name and renamed when complete. Each split's directory is
+marked as token shards with the dVAE and tokenizer that made them (``outputs``, ``lineage``): a rerun replaces
+only token shards, never a directory of other files, and a prior trained on them records what they came from.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import webdataset as wds
+from omegaconf import DictConfig
+
+from dalle_lightning.artifacts import load_artifact, read_record
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app
+from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
+from dalle_lightning.data.shards import resolve_shards
+from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
+from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
+from dalle_lightning.tokenizer import CaptionTokenizer
+from strategies.atomic_files import temporary_name
+
+log = logging.getLogger("dalle_lightning.encode")
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+@torch.no_grad()
+def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str, out_dir: Path, image_size: int,
+                 batch_size: int, shard_size: int, bf16: bool = False, num_workers: int = 0,
+                 record: dict[str, Any] | None = None) -> int:
+    """Encode one split into ``out_dir`` (new, or token shards of an earlier run); returns the samples written.
+
+    ``record`` (the dVAE and tokenizer that made the codes) goes into the directory's marker.
+
+    With ``num_workers`` loader processes, PNG decoding overlaps the dVAE's forward passes; each worker then
+    logs the samples it skips (with their keys), but only a single-process run can total them at the end.
+    """
+    reader = ImageTextDataModule(image_size=image_size)
+    keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
+    stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0)
+    loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers)
+    claim(out_dir, "tokens")
+    tmp = temporary_name(out_dir)  # this run's own name: a second run never writes into or removes it
+    tmp.mkdir(parents=True)
+    try:
+        n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if reader.skipped:
+        log.warning("skipped %d input samples: %s", sum(reader.skipped.values()), dict(reader.skipped))
+    replace_dir(out_dir, "tokens")
+    tmp.rename(out_dir)
+    return n
+
+
+def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: torch.utils.data.DataLoader,
+                  tmp: Path, shard_size: int, bf16: bool, record: dict | None) -> int:
+    """Encode every batch of ``loader`` into token shards in ``tmp``; the number of samples written."""
+    write_marker(tmp, "tokens", **(record or {}))
+    n = 0
+    # mtime=0 (an int): reproducible bytes, and no per-member PAX header, which the prior's loader would parse
+    # on every sample (docs/results.md).
+    with wds.ShardWriter(str(tmp / "%06d.tar"), maxcount=shard_size, verbose=0, mtime=0) as sink:
+        for batch in loader:
+            images = batch["image"].contiguous(memory_format=torch.channels_last)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                codes = dvae.get_codebook_indices(images).flatten(1).to(torch.int32).numpy()
+            for key, text, code in zip(batch["key"], batch["text"], codes):
+                ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
+                sink.write({"__key__": key, "codes.npy": _npy(code.astype(np.uint16)), "ids.npy": _npy(ids),
+                            "txt": text.encode("utf-8")})
+                n += 1
+    return n
+
+
+def run(cfg: DictConfig) -> dict[str, int]:
+    check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "splits", "out_dir", "shard_size",
+                     "batch_size", "bf16", "num_workers", "force", "verbose"})
+    checks.input_file(cfg, "dvae", "a trained dVAE (dalle-train stage=dvae)")
+    checks.input_file(cfg, "tokenizer", "a tokenizer.json (dalle-train stage=tokenizer)")
+    for key in ("text_len", "image_size", "shard_size", "batch_size"):
+        checks.integer(cfg, key, minimum=1)
+    checks.integer(cfg, "num_workers", minimum=0)
+    checks.boolean(cfg, "bf16")
+    checks.boolean(cfg, "force")
+    checks.output_dir(cfg, "out_dir")
+    out = Path(cfg.out_dir)
+    if not cfg.force and all(claim(out / s, "tokens") and any((out / s).glob("*.tar")) for s in cfg.splits):
+        check_reused(out, cfg)
+        log.info("token shards exist in %s; reusing them (force=true rewrites)", out)
+        return {}
+    for split in cfg.splits:  # refuse before encoding anything, not after the first split
+        claim(out / split, "tokens")
+    tokenizer = CaptionTokenizer.load(cfg.tokenizer, text_len=cfg.text_len)
+    dvae, meta = load_artifact(cfg.dvae, stage="dvae", key="dvae")
+    dvae = dvae.to(memory_format=torch.channels_last)  # NHWC convolutions: faster on CPU (docs/results.md)
+    record = {"dvae": dvae_record(meta),
+              "tokenizer": tokenizer_record(cfg.tokenizer, tokenizer.vocab_size), "text_len": cfg.text_len}
+    counts = {}
+    for split, shards in cfg.splits.items():
+        counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
+                                     cfg.shard_size, bf16=cfg.bf16, num_workers=cfg.num_workers, record=record)
+        log.info("%s: %d samples -> %s", split, counts[split], out / split)
+    if tokenizer.truncated:
+        log.warning("%d captions were longer than text_len=%d and truncated", tokenizer.truncated, cfg.text_len)
+    return counts
+
+
+def check_reused(out: Path, cfg: DictConfig) -> None:
+    """Token shards kept from an earlier run must come from this dVAE and tokenizer (unknown for older shards)."""
+    meta = read_record(cfg.dvae, "dvae", "dvae")
+    tokenizer = CaptionTokenizer.load(cfg.tokenizer)
+    for split in cfg.splits:
+        marker = read_marker(out / split) or {}
+        user = f"the token shards in {str(out / split)!r} (force=true re-encodes)"
+        check_same("dVAE", marker.get("dvae"), dvae_record(meta), "dvae", cfg.dvae, user)
+        check_same("tokenizer", marker.get("tokenizer"), tokenizer_record(cfg.tokenizer, tokenizer.vocab_size),
+                   "tokenizer", cfg.tokenizer, user)
+
+
+@hydra_app("encode")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""``dalle-train``: train one stage (tokenizer, dvae, clip, prior) from the composed Hydra config.
+
+Each stage writes one artifact (``output``) that later stages read; an existing artifact is reused unless
+``stage.force=true`` or the run resumes (``resume=auto`` or ``resume=PATH``: continue a run from its checkpoint,
+exactly where it stopped; ``docs/resume.md``). Returns the final metrics, which multirun sweeps summarise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from callbacks.epoch_end_resume import EpochEndResume
+from callbacks.random_state import RandomState
+from dalle_lightning.artifacts import save_model
+from dalle_lightning.cli import checks
+from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
+from dalle_lightning.cli.resume import resume_checkpoint
+from dalle_lightning.lineage import stage_record
+from strategies.atomic_files import write_json
+
+log = logging.getLogger("dalle_lightning.train")
+
+TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
+                  "seed", "output", "module", "objective", "verbose", "resume",
+                  "shapes"}  # experiment/shapes.yaml: each stage's run length and batch size
+STAGES = ("tokenizer", "dvae", "clip", "prior")
+
+
+def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
+    """Train the BPE on the training captions (the txt members of the image shards)."""
+    from dalle_lightning.data.datamodule import ImageTextDataModule
+    from dalle_lightning.data.shards import resolve_shards
+    from dalle_lightning.tokenizer import CaptionTokenizer
+    import webdataset as wds
+
+    urls = resolve_shards(cfg.data.train_shards)
+    limit = cfg.stage.max_captions
+
+    def captions():
+        n = 0
+        for sample in wds.tarfile_samples([{"url": u} for u in urls], handler=wds.warn_and_continue):
+            try:
+                text = sample.get("txt", b"").decode("utf-8").strip()
+            except UnicodeDecodeError:
+                continue
+            if text:
+                yield text
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+
+    del ImageTextDataModule  # only the shards are needed, not the image decoding
+    tok = CaptionTokenizer.train(captions(), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
+                                 min_frequency=cfg.model.min_frequency)
+    tok.save(cfg.output)
+    log.info("tokenizer with %d tokens written to %s", tok.vocab_size, cfg.output)
+    return {"vocab_size": tok.vocab_size}
+
+
+def model_meta(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
+    """Facts later stages read from the artifact through ``${meta:...}``, and what it was trained with."""
+    meta: dict[str, Any] = {"stage": cfg.stage.name, "parameters": sum(p.numel() for p in model.parameters())}
+    for key in ("vocab_size", "grid_size", "image_size", "text_len", "image_grid", "text_vocab_size",
+                "image_vocab_size"):
+        value = getattr(model, key, None)
+        if isinstance(value, int):
+            meta[key] = value
+    trained_with = stage_record(cfg)
+    if trained_with:
+        meta["trained_with"] = trained_with
+    return meta
+
+
+def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
+    """Build data, model, LightningModule, callbacks and Trainer from config; fit (from ``ckpt_path`` when
+    resuming); save the artifact."""
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    inherited_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")  # a missing shard fails here, before a Trainer is built
+    model = instantiate(cfg.model)
+    module = instantiate(cfg.module, model=model)
+    # Exact resume: every rank's random states travel in checkpoints, and a checkpoint that ended an epoch of the
+    # (unsized) streamed data resumes at the next epoch's first batch.
+    callbacks = [*instantiate_dict(cfg.callbacks), RandomState(), EpochEndResume()]
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
+    if ckpt_path is not None:
+        log.info("resuming from %s", ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if getattr(datamodule, "val_shards", None) and not cfg.trainer.fast_dev_run:
+        # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    for callback in callbacks:  # e.g. callbacks.step_timer.StepTimer: training rate without validation
+        rate = getattr(callback, "updates_per_s", None)
+        if isinstance(rate, float):
+            metrics["time/updates_per_s"] = rate
+    divergence = getattr(trainer.strategy, "replica_divergence", None)
+    if callable(divergence):  # a strategy that keeps copies of each shard on several nodes checks they agree
+        metrics["replica_divergence"] = divergence()
+    if not cfg.trainer.fast_dev_run:
+        state = model_state_dict(trainer, module, model)  # collective under a sharding strategy: every rank calls
+        if trainer.is_global_zero:
+            save_model(cfg.output, cfg.model, model, meta=model_meta(cfg, model), state_dict=state)
+            log.info("%s written to %s", cfg.stage.name, cfg.output)
+    if not inherited_group:  # a process group the caller made is the caller's to end
+        release_process_group()
+    return metrics
+
+
+def release_process_group() -> None:
+    """End the run's process group once the artifact is written and no collective is left. Left to the
+    interpreter's exit, gloo's threads are torn down in no set order and a rank can abort after a finished run
+    ("terminate called without an active exception"), which torchrun reports as a failed job."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def model_state_dict(trainer: pl.Trainer, module: pl.LightningModule, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained model's full, unsharded state dict on CPU (complete on rank 0).
+
+    A strategy that shards parameters offers ``full_state_dict()`` (a collective returning the LightningModule's
+    state with whole tensors); the model's entries are those under its attribute name in the module."""
+    export = getattr(trainer.strategy, "full_state_dict", None)
+    if not callable(export):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    prefix = next(name for name, child in module.named_children() if child is model) + "."
+    return {k[len(prefix):]: v for k, v in export().items() if k.startswith(prefix)}
+
+
+def _run_dir() -> Path | None:
+    """This run's Hydra output directory (None outside a Hydra app)."""
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run the configured stage; reuse its artifact when it exists (unless forced or resuming). Returns metrics."""
+    check_keys(cfg, TOP_LEVEL_KEYS)
+    stage = cfg.stage.name
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
+    checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
+    ckpt_path = resume_checkpoint(cfg, _run_dir())  # a checkpoint that is not there fails now too
+    out = Path(cfg.output)
+    fresh = cfg.stage.force or ckpt_path is not None or cfg.get("trainer", {}).get("fast_dev_run", False)
+    if out.exists() and not fresh:
+        log.info("%s exists; reusing it (stage.force=true retrains, resume=auto continues its last run)", out)
+        return {"reused": 1.0}
+    stage_record(cfg)  # artifacts and data that do not belong together fail now, not after training
+    start = time.perf_counter()
+    metrics = train_tokenizer(cfg) if stage == "tokenizer" else fit(cfg, ckpt_path)
+    metrics["wall_time_s"] = time.perf_counter() - start
+    return metrics
+
+
+@hydra_app("train", every_rank=True)
+def main(cfg: DictConfig) -> float | None:
+    metrics = run(cfg)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    # Every process of a run runs this app (torchrun, and Lightning's launcher, which starts the others with
+    # LOCAL_RANK but no RANK): the global rank decides the one writer.
+    if process_rank() == 0:
+        write_json(run_dir / "metrics.json", {"overrides": list(hydra_cfg.overrides.task), "metrics": metrics})
+        log.info("metrics written to %s by rank 0", run_dir / "metrics.json")
+    if cfg.objective is None:
+        return None
+    if cfg.objective not in metrics:
+        raise KeyError(f"objective={cfg.objective!r} was not logged; logged metrics: {sorted(metrics)}")
+    return metrics[cfg.objective]
+
+
+if __name__ == "__main__":
+    main()

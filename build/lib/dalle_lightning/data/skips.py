@@ -1,0 +1,95 @@
+"""Counting what the loaders skip: unreadable shards and unusable samples, summed over loader workers.
+
+A skipped sample or shard never stops training, but it must not go unseen: each one is logged with its key and
+counted by reason. Loader workers are separate processes, so a plain counter in a worker dies with it; the
+counts live in a shared-memory tensor, one row per process (the main one, then each worker), which the main
+process sums. ``callbacks.skipped_samples`` then sums them over ranks and logs them as metrics.
+
+Shard-level failures are counted once per shard and pass: an empty file, a file that is not a tar, and a
+truncated tar (which Python's stream reader ends silently at a cut header, so the file's end is checked too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils.data
+import webdataset as wds
+
+log = logging.getLogger(__name__)
+
+REASONS = (
+    "unreadable shard",
+    "missing image",
+    "corrupt image",
+    "missing caption",
+    "caption is not UTF-8",
+    "empty caption",
+    "bad token arrays",
+    "wrong image token count",
+    "image code out of range",
+    "caption id out of range",
+)
+TAR_BLOCK = 512
+
+
+class SkipCounter(Mapping[str, int]):
+    """Skipped samples by reason (every reason of ``REASONS``, 0 when none), summed over loader workers."""
+
+    def __init__(self, workers: int = 0) -> None:
+        # One row per process; with more workers than rows, rows are shared and a simultaneous increment may be lost.
+        self._counts = torch.zeros(workers + 1, len(REASONS), dtype=torch.int64).share_memory_()
+
+    def skip(self, reason: str, key: str, detail: str = "") -> None:
+        """Count one skipped sample (or shard) and log it with its key, so the bad data can be found."""
+        info = torch.utils.data.get_worker_info()
+        row = (info.id + 1 if info is not None else 0) % self._counts.shape[0]
+        self._counts[row, REASONS.index(reason)] += 1
+        log.warning("skipped %s: %s%s (%d skipped for this reason so far)", key, reason,
+                    f" ({detail})" if detail else "", self[reason])
+
+    def __getitem__(self, reason: str) -> int:
+        if reason not in REASONS:
+            raise KeyError(reason)
+        return int(self._counts[:, REASONS.index(reason)].sum())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(REASONS)
+
+    def __len__(self) -> int:
+        return len(REASONS)
+
+    def summary(self) -> str:
+        """The non-zero counts, for messages: ``"unreadable shard: 4, corrupt image: 1"`` (or ``"none"``)."""
+        return ", ".join(f"{reason}: {n}" for reason, n in self.items() if n) or "none"
+
+
+def truncated(url: str) -> bool:
+    """A local non-empty tar that does not end with the archive's zero blocks (cut short by a crash or copy)."""
+    if "://" in url or url.startswith("pipe:") or not os.path.isfile(url):
+        return False
+    size = os.path.getsize(url)
+    if size == 0:
+        return False  # the reader itself fails on an empty file
+    if size % TAR_BLOCK:
+        return True
+    with open(url, "rb") as f:
+        f.seek(size - 2 * TAR_BLOCK)
+        return any(f.read(2 * TAR_BLOCK))
+
+
+def read_shards(urls: list[str], skipped: SkipCounter | None) -> Iterator[dict[str, Any]]:
+    """The raw samples of ``urls``, shard after shard; a shard that fails is counted once as unreadable (its
+    readable samples, if any, still come through)."""
+    for url in urls:
+        errors: list[Exception] = []
+        yield from wds.tarfile_samples([{"url": url}], handler=lambda exn: errors.append(exn) or True)
+        if (errors or truncated(url)) and skipped is not None:
+            detail = f"{type(errors[0]).__name__}: {errors[0].args[0]}" if errors else "truncated tar"
+            skipped.skip("unreadable shard", url, detail)
+        elif errors:
+            log.warning("unreadable shard %s: %s", url, errors[0])

@@ -1,0 +1,101 @@
+"""``make demo``: the whole pipeline on the embedded shapes world, each step a real command-line call.
+
+Steps: shapes world -> tokenizer -> dVAE -> token shards -> CLIP -> prior (and a short run of it under the Strategy
+and the Precision plugin on 2 processes) -> generated grid + caption
+accuracy. Each step reuses what an earlier run already wrote (pass ``force=true`` to retrain everything).
+Prints each step's wall time and where its outputs are, and writes them to ``<out_dir>/demo.json``.
+
+Usage: ``python -m dalle_lightning.demo [out_dir=outputs/demo] [force=true] [steps=data,tokenizer,dvae]``
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from strategies.atomic_files import write_json
+
+TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second, in metrics.json
+STEPS: dict[str, list[str]] = {
+    "data": ["dalle_lightning.cli.data"],
+    "tokenizer": ["dalle_lightning.cli.train", "stage=tokenizer"],
+    "dvae": ["dalle_lightning.cli.train", "stage=dvae", TIMER],
+    "encode": ["dalle_lightning.cli.encode"],
+    "clip": ["dalle_lightning.cli.train", "stage=clip", TIMER],
+    "prior": ["dalle_lightning.cli.train", "stage=prior", TIMER],
+    # The same stage for a few updates under the project's Strategy and Precision plugin, on 2 processes (2 simulated
+    # nodes of 1 device, PowerSGD between them, per-resblock bf16 scales), so the demo exercises them end to end.
+    "prior_plugins": ["dalle_lightning.cli.train", "stage=prior", TIMER, "strategy=sharded_powersgd",
+                      "strategy.devices_per_node=1", "trainer.devices=2", "precision=resblock16", "precision.dtype=bf16",
+                      "data.batch_size=16", "trainer.max_steps=80", "callbacks.fid=null", "callbacks.sample_grid=null",
+                      "output=${paths.work_dir}/prior_plugins.pt"],
+    "generate": ["dalle_lightning.cli.generate"],
+    # 50 + 50 fresh captions, best of up to 16: a fraction of the dalle-eval defaults' time (docs/results.md)
+    "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
+}
+FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}
+
+
+def parse(argv: list[str]) -> dict[str, str]:
+    args = {"out_dir": "outputs/demo", "force": "false", "steps": ",".join(STEPS)}
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep or key not in args:
+            raise SystemExit(f"error: unknown demo argument {item!r}; expected out_dir=..., force=true|false, steps=a,b")
+        args[key] = value
+    unknown = [s for s in args["steps"].split(",") if s not in STEPS]
+    if unknown:
+        raise SystemExit(f"error: unknown demo step(s) {unknown}; expected some of {list(STEPS)}")
+    return args
+
+
+def training_rates(work: Path) -> dict[str, float]:
+    """Updates per second of each training stage's newest run (its metrics.json; validation excluded): the
+    demo's time per step, which its wall times mix with start-up, validation and evaluation."""
+    rates = {}
+    for run in sorted((work / "runs").glob("*/*/metrics.json")):
+        blob = json.loads(run.read_text())
+        rate = blob.get("metrics", {}).get("time/updates_per_s")
+        if rate is not None:
+            stage = run.parent.parent.name
+            key = f"{stage}_plugins" if "strategy=sharded_powersgd" in blob.get("overrides", []) else stage
+            rates[key] = round(rate, 2)
+    return rates
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    work = Path(args["out_dir"]).resolve()
+    force = args["force"].lower() == "true"
+    timings: dict[str, float] = {}
+    for step in args["steps"].split(","):
+        module, *overrides = STEPS[step]
+        overrides.append(f"paths.work_dir={work}")
+        force_key = FORCE_KEY.get(step, "stage.force")
+        if force and force_key:
+            overrides.append(f"{force_key}=true")
+        print(f"== {step}: python -m {module} {' '.join(overrides)}", flush=True)
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", module, *overrides])
+        timings[step] = round(time.perf_counter() - start, 1)
+        if result.returncode != 0:
+            raise SystemExit(f"error: demo step {step!r} failed with exit code {result.returncode}")
+        print(f"== {step}: {timings[step]} s", flush=True)
+    summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
+               "updates_per_s": training_rates(work)}
+    for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "prior_plugins.pt", "samples",
+                 "eval.json"):
+        if (work / name).exists():
+            summary.setdefault("outputs", {})[name] = str(work / name)
+    grids = sorted(work.glob("runs/dvae/*/recon_*.png")) + sorted(work.glob("runs/dvae/*/**/recon_*.png"))
+    if grids:
+        summary.setdefault("outputs", {})["reconstruction_grid"] = str(grids[-1])
+    write_json(work / "demo.json", summary, sort_keys=False)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Contrastive image-text models for reranking, built by open_clip.
+
+The paper reranks the prior's samples with CLIP. Here any open_clip architecture can be built by name
+(``"RN50"``, ``"ViT-B-32"``, ...), with weights from a local file the user already has: nothing is ever
+downloaded, so a pretrained *tag* such as ``"openai"`` is refused with a clear error.
+
+The embedded default, ``shapes-clip``, is a small open_clip ``CLIP`` for 64x64 shapes-world images: a
+ModifiedResNet (CLIP's RN tower: conv stem, one bottleneck per stage, attention pooling) of width 16 and a
+two-layer text transformer over 32 tokens. It tells colours and shapes apart within a few hundred steps,
+where a ViT with 8x8 patches, though faster per step, still confused small triangles and squares at twice
+that (docs/experiments.md): 12-px shapes fall inside single patches, and the conv stem sees their outlines. Its text tower keeps open_clip's 49,408-token
+BPE vocabulary so that the stock open_clip tokenizer works unchanged.
+
+Every model built here carries ``open_clip_spec`` (name, architecture config and preprocessing config), so a
+checkpoint can rebuild it without the code that made it, and :func:`save` writes the ``local-dir:`` layout
+that ``open_clip.create_model("local-dir:<dir>")`` reads directly.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import open_clip
+import torch
+from torch import nn
+
+from strategies.atomic_files import torch_save, write_json
+
+SHAPES_CLIP = "shapes-clip"
+
+# Sizes chosen by timing fp32 training steps at batch 64 on 2 CPU cores; bf16 autocast gave no speed-up at
+# this size. The 64-px input leaves a 2x2 map for the attention pool.
+SHAPES_CLIP_CONFIG: dict[str, Any] = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16, "head_width": 16},
+    "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
+}
+
+CONFIG_FILE = "open_clip_config.json"
+WEIGHTS_FILE = "open_clip_pytorch_model.bin"
+
+_registry_dir: Path | None = None
+
+
+def register_config(name: str, model_cfg: dict[str, Any]) -> None:
+    """Make ``name`` resolvable by ``open_clip.create_model``/``get_tokenizer`` in this process.
+
+    open_clip's only public registration hook reads JSON files named ``<name>.json``, so the config is written
+    to a private temporary directory added to its search path.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+        raise ValueError(f"open_clip config name {name!r} must use only letters, digits and _.+-")
+    if not all(k in model_cfg for k in ("embed_dim", "vision_cfg", "text_cfg")):
+        raise ValueError(f"config for {name!r} has keys {sorted(model_cfg)}; expected embed_dim, vision_cfg, text_cfg")
+    global _registry_dir
+    first = _registry_dir is None
+    if first:
+        _registry_dir = Path(tempfile.mkdtemp(prefix="dalle_lightning_open_clip_"))
+    write_json(_registry_dir / f"{name}.json", model_cfg, sort_keys=False)
+    if first:
+        open_clip.add_model_config(_registry_dir)
+    else:
+        open_clip.factory._rescan_model_configs()  # the directory is already on the search path
+
+
+def _ensure_default_registered() -> None:
+    if open_clip.get_model_config(SHAPES_CLIP) is None:
+        register_config(SHAPES_CLIP, SHAPES_CLIP_CONFIG)
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """The architecture config open_clip resolves for ``name`` (a registered name or ``local-dir:<dir>``)."""
+    _ensure_default_registered()
+    if name.startswith("local-dir:") and not (Path(name[len("local-dir:") :]) / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {name[len('local-dir:'):]!r}; expected a directory written by save()")
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        raise ValueError(f"unknown open_clip model {name!r}; expected one of open_clip.list_models() or 'local-dir:<dir>'")
+    return cfg
+
+
+def create(
+    name: str = SHAPES_CLIP,
+    pretrained: str | Path | None = None,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Build the open_clip model ``name``, loading weights from the local file ``pretrained`` if given.
+
+    ``device="meta"`` builds without allocating memory (useful to inspect paper-size models). Returns a real
+    open_clip model (``open_clip.model.CLIP`` or a subclass) with an ``open_clip_spec`` attribute.
+    """
+    cfg = model_config(name)
+    if pretrained is not None and not Path(pretrained).is_file():
+        raise FileNotFoundError(
+            f"open_clip weights file not found: {str(pretrained)!r}; expected a local file (pretrained tags are never downloaded)"
+        )
+    pretrained_arg = None if pretrained is None else str(pretrained)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            model = open_clip.create_model(name, pretrained=pretrained_arg, device="meta", pretrained_text=False)
+    else:
+        model = open_clip.create_model(name, pretrained=pretrained_arg, device=device, pretrained_text=False)
+    model.open_clip_spec = {"name": name, "model_cfg": cfg, "preprocess_cfg": dict(model.visual.preprocess_cfg)}
+    return model
+
+
+def spec_of(model: nn.Module) -> dict[str, Any]:
+    """The ``open_clip_spec`` of a model built by :func:`create` (name, model_cfg, preprocess_cfg)."""
+    spec = getattr(model, "open_clip_spec", None)
+    if spec is None:
+        raise ValueError(
+            f"{type(model).__name__} has no open_clip_spec; expected a model built by dalle_lightning.models.clip.create"
+        )
+    return spec
+
+
+def from_spec(spec: dict[str, Any], state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Rebuild a model from its spec (as stored in a checkpoint), registering its config under its name."""
+    name = spec["name"]
+    if open_clip.get_model_config(name) != spec["model_cfg"]:
+        # local-dir:/hf-hub: names, or a config unknown in this process: register it under a plain name.
+        name = re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
+        register_config(name, spec["model_cfg"])
+    model = create(name)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    model.open_clip_spec = {**spec, "name": name}
+    return model
+
+
+def tokenizer_for(model: nn.Module) -> Any:
+    """The open_clip tokenizer of ``model`` (its BPE vocabulary ships with open_clip, so no download)."""
+    spec = spec_of(model)
+    context_length = spec["model_cfg"]["text_cfg"].get("context_length")
+    return open_clip.get_tokenizer(spec["name"], context_length=context_length)
+
+
+def image_mean_std(model: nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel normalisation the model was (or will be) trained with."""
+    cfg = spec_of(model)["preprocess_cfg"]
+    return tuple(cfg["mean"]), tuple(cfg["std"])
+
+
+def save(model: nn.Module, directory: str | Path) -> Path:
+    """Write ``open_clip_config.json`` and the weights so ``create("local-dir:<directory>")`` rebuilds the model."""
+    spec = spec_of(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"model_cfg": deepcopy(spec["model_cfg"]), "preprocess_cfg": spec["preprocess_cfg"]}
+    # Weights first, config last: a directory with a config holds the weights that belong to it.
+    torch_save(model.state_dict(), directory / WEIGHTS_FILE)
+    write_json(directory / CONFIG_FILE, config, sort_keys=False)
+    return directory
+
+
+def image_size(model: nn.Module) -> tuple[int, int]:
+    """The (height, width) the vision tower expects."""
+    size = model.visual.image_size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def check_images(images: torch.Tensor, name: str = "images") -> None:
+    """Fail early on batches that are not ``FloatTensor[B, 3, H, W]`` in [0, 1] (e.g. uint8 or [-1, 1])."""
+    if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3 or not images.is_floating_point():
+        shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__
+        raise ValueError(f"{name} has shape/type {shape}; expected a float tensor [B, 3, H, W] with values in [0, 1]")
+    lo, hi = images.min().item(), images.max().item()
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(f"{name} range [{lo:.3g}, {hi:.3g}]; expected values in [0, 1]")
+
+
+def normalize_images(
+    images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, size: tuple[int, int]
+) -> torch.Tensor:
+    """[0, 1] images -> model input: resized to ``size`` when they differ, then standardised.
+
+    Shrinking averages areas (an integer-factor upsample followed by this gives back the original exactly);
+    enlarging is bicubic, as open_clip's own preprocessing does.
+    """
+    if tuple(images.shape[-2:]) != tuple(size):
+        shrink = images.shape[-2] >= size[0] and images.shape[-1] >= size[1]
+        mode = "area" if shrink else "bicubic"
+        images = torch.nn.functional.interpolate(images, size=size, mode=mode).clamp(0, 1)
+    return (images - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)

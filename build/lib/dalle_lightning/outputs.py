@@ -1,0 +1,141 @@
+"""Output directories the commands own: a writer replaces or clears only what it wrote itself.
+
+``dalle-data`` (image shards), ``dalle-encode`` (token shards) and ``dalle-generate`` (PNG samples) each leave a
+marker file (``.dalle-lightning.json``) in the directories they write, naming the kind of output and what it was
+made with. Before a writer deletes or overwrites anything it *claims* the directory: absent, empty, or marked
+with its own kind. Anything else (another command's output, the user's files) is a one-line error naming what
+is there, so a mistyped ``out_dir`` never costs data. Directories written before markers existed are recognised
+by their file names and first tar member (legacy), so old outputs stay reusable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from strategies.atomic_files import write_json
+
+MARKER = ".dalle-lightning.json"
+WRITERS = {"images": "dalle-data", "tokens": "dalle-encode", "samples": "dalle-generate"}
+DESCRIBED = {"images": "image shards", "tokens": "token shards", "samples": "generated samples"}
+SHARD = re.compile(r"^\d{6}\.tar$")
+SAMPLE = re.compile(r"^(\d+|grid)\.png$")
+CANDIDATE = re.compile(r"^\d+_\d+\.png$")
+
+
+def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The marker of ``folder``, or None when it has none (or an unreadable one)."""
+    path = Path(folder) / MARKER
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_marker(folder: str | os.PathLike, kind: str, **record: Any) -> None:
+    """Mark ``folder`` as ``kind`` output (with facts later commands check, e.g. the dVAE of token shards)."""
+    write_json(Path(folder) / MARKER, {"kind": kind, "writer": WRITERS[kind], **record})
+
+
+def _shard_members(path: Path) -> set[str]:
+    """Extensions of the first sample's members in a tar shard (empty if unreadable)."""
+    try:
+        with tarfile.open(path) as tar:
+            names = [member.name for _, member in zip(range(4), tar)]
+    except (OSError, tarfile.TarError):
+        return set()
+    return {name.split(".", 1)[1] for name in names if "." in name}
+
+
+def legacy_kind(folder: Path) -> str | None:
+    """The kind of an unmarked directory that holds only what one of the writers names its files."""
+    names = sorted(p.name for p in folder.iterdir())
+    if names and all(SHARD.match(n) for n in names):
+        members = _shard_members(folder / names[0])
+        if {"codes.npy", "ids.npy"} <= members:
+            return "tokens"
+        if {"png", "txt", "json"} <= members:
+            return "images"
+    candidates = folder / "candidates"
+    if names and all(SAMPLE.match(n) or n == "candidates" for n in names):
+        if not candidates.exists() or all(CANDIDATE.match(p.name) for p in candidates.iterdir()):
+            return "samples"
+    return None
+
+
+def kind_of(folder: Path) -> str | None:
+    """What ``folder`` holds, by marker or by file names; None for anything else."""
+    record = read_marker(folder)
+    if record is not None:
+        kind = record.get("kind")
+        return kind if kind in WRITERS else None
+    return legacy_kind(folder)
+
+
+def _describe(folder: Path) -> str:
+    kind = kind_of(folder)
+    if kind is not None:
+        return f"{DESCRIBED[kind]} written by {WRITERS[kind]}"
+    names = sorted(p.name for p in folder.iterdir())
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"files no dalle-lightning writer made ({shown})"
+
+
+def claim(folder: str | os.PathLike, kind: str, key: str = "out_dir") -> bool:
+    """Check that ``folder`` may be replaced by ``kind`` output; True if it holds such output already.
+
+    Raises ``ValueError`` (one line, naming what is there) for a file, or a directory with other content.
+    """
+    folder = Path(folder)
+    if folder.is_file():
+        raise ValueError(f"{key}={str(folder)!r} is a file; expected a directory for {DESCRIBED[kind]}")
+    if not folder.exists() or not any(folder.iterdir()):
+        return False
+    if kind_of(folder) == kind:
+        return True
+    raise ValueError(
+        f"{key}: {str(folder)!r} holds {_describe(folder)}; expected a new or empty directory, "
+        f"or {DESCRIBED[kind]} an earlier {WRITERS[kind]} wrote (nothing was deleted)"
+    )
+
+
+def replace_dir(folder: str | os.PathLike, kind: str, key: str = "out_dir") -> None:
+    """Remove ``folder`` if (and only if) it holds ``kind`` output; a missing folder is fine."""
+    if claim(folder, kind, key):
+        shutil.rmtree(folder)
+    elif Path(folder).is_dir():
+        Path(folder).rmdir()
+
+
+def remove_stale_shards(folder: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete the shards ``NNNNNN.tar`` numbered ``keep`` and up, which an earlier, larger run left behind."""
+    stale = [p for p in Path(folder).glob("*.tar") if SHARD.match(p.name) and int(p.stem) >= keep]
+    for path in stale:
+        path.unlink()
+    return stale
+
+
+def clear_samples(folder: str | os.PathLike, key: str = "out_dir") -> None:
+    """Remove what an earlier ``dalle-generate`` wrote into ``folder`` (its marker's file list, or for an unmarked
+    folder of sample names, those), so a rerun never leaves old images beside new ones. Other folders: an error."""
+    folder = Path(folder)
+    if not claim(folder, "samples", key):
+        return
+    record = read_marker(folder) or {}
+    listed = record.get("files")
+    if isinstance(listed, list):
+        paths = [folder / str(name) for name in listed]
+    else:
+        paths = [p for p in folder.rglob("*.png")]
+    for path in paths:
+        if path.resolve().parent in (folder.resolve(), (folder / "candidates").resolve()):
+            path.unlink(missing_ok=True)
+    candidates = folder / "candidates"
+    if candidates.is_dir() and not any(candidates.iterdir()):
+        candidates.rmdir()

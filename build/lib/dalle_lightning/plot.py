@@ -1,0 +1,161 @@
+"""PNG line charts drawn with Pillow: the reranking curves of a ``dalle-eval`` report (the paper's Figure 9).
+
+matplotlib is not a dependency of the project, and three small panels (accuracy, FID, contrastive score
+against the number of reranked candidates N, one line per split) need no more than lines, markers, ticks,
+axis labels and a legend. The x axis is log2(N), as N doubles from point to point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
+
+from strategies.atomic_files import save_image
+
+Point = tuple[float, float]
+COLOURS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
+PANEL_W, PANEL_H = 360, 280
+LEFT, RIGHT, TOP, BOTTOM = 62, 14, 30, 46
+
+
+@dataclass
+class Panel:
+    """One chart: ``series`` maps a legend label to its (N, value) points."""
+
+    title: str
+    ylabel: str
+    series: dict[str, list[Point]]
+    xlabel: str = "N (candidates reranked)"
+    ylim: tuple[float, float] | None = None  # fixed y range (e.g. (0, 1) for accuracy); None: fit the data
+
+
+@dataclass
+class Axes:
+    """Maps data (x on a log2 scale, y linear) to pixels of a panel whose top-left corner is ``origin``."""
+
+    origin: tuple[int, int]
+    xlim: tuple[float, float]
+    ylim: tuple[float, float]
+    box: tuple[int, int, int, int] = field(init=False)  # plot area (left, top, right, bottom) in pixels
+
+    def __post_init__(self) -> None:
+        ox, oy = self.origin
+        self.box = (ox + LEFT, oy + TOP, ox + PANEL_W - RIGHT, oy + PANEL_H - BOTTOM)
+
+    def to_pixel(self, x: float, y: float) -> tuple[int, int]:
+        left, top, right, bottom = self.box
+        lx0, lx1 = math.log2(self.xlim[0]), math.log2(self.xlim[1])
+        fx = 0.5 if lx1 == lx0 else (math.log2(x) - lx0) / (lx1 - lx0)
+        fy = 0.5 if self.ylim[1] == self.ylim[0] else (y - self.ylim[0]) / (self.ylim[1] - self.ylim[0])
+        return round(left + fx * (right - left)), round(bottom - fy * (bottom - top))
+
+
+def _ylim(panel: Panel) -> tuple[float, float]:
+    if panel.ylim is not None:
+        return panel.ylim
+    ys = [y for pts in panel.series.values() for _, y in pts]
+    lo, hi = min(ys), max(ys)
+    pad = (hi - lo) * 0.08 or abs(hi) * 0.05 or 0.5
+    return lo - pad, hi + pad
+
+
+def axes_for(panel: Panel, origin: tuple[int, int]) -> Axes:
+    xs = [x for pts in panel.series.values() for x, _ in pts]
+    if not xs or min(xs) <= 0:
+        raise ValueError(f"panel {panel.title!r} has x values {xs}; expected positive N values")
+    return Axes(origin, (min(xs), max(xs)), _ylim(panel))
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: Any) -> Axes:
+    ax = axes_for(panel, origin)
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = ax.box
+    grey, black = (225, 225, 225), (0, 0, 0)
+    xs = sorted({x for pts in panel.series.values() for x, _ in pts})
+    for x in xs:  # vertical grid line and label at every N
+        px, _ = ax.to_pixel(x, ax.ylim[0])
+        draw.line([(px, top), (px, bottom)], fill=grey)
+        draw.text((px, bottom + 4), _fmt(x), fill=black, font=font, anchor="ma")
+    for i in range(5):  # five horizontal ticks
+        y = ax.ylim[0] + (ax.ylim[1] - ax.ylim[0]) * i / 4
+        _, py = ax.to_pixel(xs[0], y)
+        draw.line([(left, py), (right, py)], fill=grey)
+        draw.text((left - 4, py), _fmt(y), fill=black, font=font, anchor="rm")
+    draw.rectangle([left, top, right, bottom], outline=black)
+    draw.text(((left + right) // 2, origin[1] + 8), panel.title, fill=black, font=font, anchor="ma")
+    draw.text(((left + right) // 2, bottom + 24), panel.xlabel, fill=black, font=font, anchor="ma")
+    label = Image.new("RGB", (bottom - top, 14), "white")  # the y label, rotated to run up the axis
+    ImageDraw.Draw(label).text(((bottom - top) // 2, 0), panel.ylabel, fill=black, font=font, anchor="ma")
+    image.paste(label.rotate(90, expand=True), (origin[0] + 4, top))
+    # The legend goes in the right-hand corner (top or bottom) that the data leave emptier.
+    points = [ax.to_pixel(x, y) for pts in panel.series.values() for x, y in pts]
+    upper = sum(1 for px, py in points if px > (left + right) / 2 and py < (top + bottom) / 2)
+    lower = sum(1 for px, py in points if px > (left + right) / 2 and py >= (top + bottom) / 2)
+    legend_top = top + 8 if upper <= lower else bottom - 8 - 14 * len(panel.series)
+    for k, (name, pts) in enumerate(panel.series.items()):
+        colour = COLOURS[k % len(COLOURS)]
+        pixels = [ax.to_pixel(x, y) for x, y in sorted(pts)]
+        if len(pixels) > 1:
+            draw.line(pixels, fill=colour, width=2)
+        for px, py in pixels:
+            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=colour)
+        ly = legend_top + 14 * k
+        draw.line([(right - 110, ly), (right - 92, ly)], fill=colour, width=3)
+        draw.text((right - 88, ly), name, fill=black, font=font, anchor="lm")
+    return ax
+
+
+def line_chart(panels: list[Panel], path: str | Path) -> list[Axes]:
+    """Draw ``panels`` side by side into a PNG at ``path``; returns each panel's axes (data -> pixel)."""
+    if not panels:
+        raise ValueError("no panels to plot; expected at least one")
+    image = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
+    font = ImageFont.load_default()
+    axes = [draw_panel(image, p, (i * PANEL_W, 0), font) for i, p in enumerate(panels)]
+    save_image(image, path)
+    return axes
+
+
+SPLIT_LABELS = {"seen": "seen captions", "zeroshot": "zero-shot"}
+METRICS = [  # (report key, panel title, y label, fixed y range)
+    ("accuracy", "Caption accuracy", "accuracy", (0.0, 1.0)),
+    ("fid_shapes_clip", "FID (shapes-CLIP image features)", "FID (lower is better)", None),
+    ("contrastive_score", "Contrastive score", "mean cosine", None),
+]
+
+
+def report_panels(report: dict[str, Any]) -> list[Panel]:
+    """One panel per metric present in a ``dalle-eval`` report, one line per split."""
+    panels = []
+    for key, title, ylabel, ylim in METRICS:
+        series = {}
+        for split, label in SPLIT_LABELS.items():
+            per_n = report.get(split, {})
+            lines = [(key, label)]
+            if key == "accuracy":  # beside it, what a perfect reranker would reach (any of the N candidates matches)
+                lines.append(("any_of_n", f"{label}, any of N"))
+            for series_key, series_label in lines:
+                pts = [(float(n), float(v[series_key])) for n, v in per_n.items()
+                       if n.isdigit() and v.get(series_key) is not None]
+                if pts:
+                    series[series_label] = pts
+        if series:
+            panels.append(Panel(title, ylabel, series, ylim=ylim))
+    return panels
+
+
+def plot_report(report: dict[str, Any], path: str | Path) -> Path:
+    """The reranking curves of a ``dalle-eval`` report as a PNG."""
+    panels = report_panels(report)
+    if not panels:
+        raise ValueError("the report has no per-N results to plot; expected 'seen' or 'zeroshot' entries")
+    line_chart(panels, path)
+    return Path(path)

@@ -1,0 +1,101 @@
+"""Caption tokenizer: lower-cased byte-level BPE trained with Hugging Face ``tokenizers``.
+
+The paper uses a lower-cased BPE vocabulary of 16,384 and at most 256 caption tokens, with 10% BPE dropout
+while training. Id 0 is reserved for padding because the prior replaces it, position by position, with its
+own learned padding tokens; id 1 is the unknown token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from strategies.atomic_files import atomic_path
+
+log = logging.getLogger(__name__)
+
+PAD_ID = 0
+UNK_ID = 1
+SPECIAL_TOKENS = ["[PAD]", "[UNK]"]
+
+
+class CaptionTokenizer:
+    """Encodes captions to fixed-length id tensors (``text_len``), padding with ``PAD_ID``.
+
+    Truncation is never silent: every truncated caption is counted and logged as a warning, because a
+    caption cut short trains the prior on a description that no longer matches its image.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, text_len: int = 256) -> None:
+        if text_len <= 0:
+            raise ValueError(f"text_len={text_len} must be a positive number of caption tokens")
+        if tokenizer.token_to_id("[PAD]") != PAD_ID:
+            raise ValueError("tokenizer has no [PAD] token at id 0; expected one trained by CaptionTokenizer.train")
+        self.tokenizer = tokenizer
+        self.text_len = text_len
+        self.truncated = 0
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 16_384, text_len: int = 256, min_frequency: int = 1) -> "CaptionTokenizer":
+        """Train a lower-cased byte-level BPE on ``texts``; the vocabulary stops growing when merges run out."""
+        if vocab_size < 260:
+            raise ValueError(f"vocab_size={vocab_size} is too small; expected >= 260 (256 bytes + special tokens)")
+        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+        tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok, text_len)
+
+    @classmethod
+    def load(cls, path: str | Path, text_len: int = 256) -> "CaptionTokenizer":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; train one with `dalle-train stage=tokenizer`")
+        return cls(Tokenizer.from_file(str(path)), text_len)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``tokenizer.json`` atomically (``strategies.atomic_files``)."""
+        with atomic_path(path) as tmp:
+            self.tokenizer.save(str(tmp))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def set_dropout(self, p: float | None) -> None:
+        """BPE dropout (paper: 0.1 while training the prior); ``None`` or 0 for deterministic encoding."""
+        self.tokenizer.model.dropout = p if p else None
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, truncated to ``text_len`` (counted and warned)."""
+        ids = self.tokenizer.encode(text).ids
+        if len(ids) > self.text_len:
+            self.truncated += 1
+            log.warning("caption of %d tokens truncated to text_len=%d: %r", len(ids), self.text_len, text[:80])
+            ids = ids[: self.text_len]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> torch.Tensor:
+        """LongTensor[len(texts), text_len] padded with ``PAD_ID``."""
+        out = torch.full((len(texts), self.text_len), PAD_ID, dtype=torch.long)
+        for i, text in enumerate(texts):
+            ids = self.encode(text)
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.tokenizer.decode([i for i in ids if i != PAD_ID]).strip()

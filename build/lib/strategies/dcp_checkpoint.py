@@ -1,0 +1,138 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), written atomically.
+
+Every rank writes its own shards in parallel (no gather of a 12B model on one rank). A checkpoint is a
+directory: the DCP files of the model, optimizer and per-rank state (PowerSGD's Q and error buffers), plus
+``meta.pt`` with the trainer's small metadata (loops, callbacks, schedulers). It is first written to a
+sibling temporary directory and renamed into place by rank 0 only after every rank has finished, so a crash
+never leaves a half-written checkpoint under the final name.
+
+For single-device use, :func:`export_full_state_dict` gathers a live sharded module into one plain state
+dict (a collective), and :func:`checkpoint_to_full_state_dict` reads a saved checkpoint offline, in one
+process without any process group.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from strategies.atomic_files import temporary_name, torch_save
+
+METADATA_FILENAME = "meta.pt"
+MODEL_KEY = "state_dict"
+
+
+def rank_key(name: str, rank: int) -> str:
+    """Key of a per-rank blob: DCP deduplicates equal keys across ranks, so per-rank state needs its own."""
+    return f"{name}_rank{rank}"
+
+
+def pack(obj: Any) -> bytes:
+    """Serialise per-rank state into one opaque blob; DCP stores bytes as-is, so its layout need not be
+    known (or even created yet, e.g. lazily built error buffers) when loading."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _shared_temporary_name(path: Path) -> Path:
+    """Rank 0's unique temporary name beside ``path``, the same on every rank (all of them write into it)."""
+    name = [temporary_name(path)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def save_sharded(path: str | Path, state: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Collective: write ``state`` (DTensors, tensors, bytes) with DCP and ``metadata`` from rank 0, atomically.
+
+    All ranks must pass the same ``path`` on a shared filesystem.
+    """
+    path = Path(path)
+    tmp = _shared_temporary_name(path)
+    old = temporary_name(path)
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if _rank() == 0:
+        torch_save(metadata, tmp / METADATA_FILENAME)
+    _barrier()  # every rank's shards are on disk before the rename publishes them
+    if _rank() == 0:
+        if path.is_file():
+            path.unlink()
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def load_sharded(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: load ``state`` in place from ``path`` (tensors copied in, bytes replaced); return the metadata."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
+    dcp.load(state, checkpoint_id=path)
+    return torch.load(path / METADATA_FILENAME, weights_only=False)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The small metadata of a sharded checkpoint (no tensors loaded): what the loader must prepare for."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
+    return torch.load(path / METADATA_FILENAME, weights_only=False)
+
+
+def export_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full, unsharded state dict of a sharded module on CPU (non-empty on rank 0 only)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=options)  # type: ignore[return-value]
+
+
+def checkpoint_to_full_state_dict(path: str | Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
+    """Offline, single process: the full model state dict stored under ``key`` in a sharded checkpoint.
+
+    The result loads into the plain (unsharded) module with ``module.load_state_dict``.
+    """
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(path, out)
+        everything = torch.load(out, weights_only=False)
+    if key not in everything:
+        raise KeyError(f"checkpoint {str(path)!r} has no {key!r}; found {sorted(everything)}")
+    return everything[key]

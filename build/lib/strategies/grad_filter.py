@@ -1,0 +1,129 @@
+"""Autograd functions at the boundaries of a 16-bit residual branch, and the hooks that install them.
+
+For a resblock ``x + f(x)`` the identity path carries fp32 activations and gradients; only ``f`` runs in 16-bit.
+Two autograd functions sit at the branch's edges (forward reads left to right, backward right to left):
+
+    x (fp32) --ToBranch--> f in 16-bit --FromBranch--> f(x) (fp32)
+    backward:  g_x += filter(g16 / s)  <--  f backward in 16-bit  <--  (g * s) -> 16-bit
+
+so the gradient inside the branch is the true gradient times the block's own scale ``s`` (far from fp16's
+underflow), and what leaves the branch is unscaled, in fp32, with Inf/NaN set to 0 and the block flagged. The
+filter keeps one overflowing block from poisoning the identity-path gradient of every earlier block (and with
+it their parameter gradients and scales).
+
+Inside the branch we use ``torch.autocast`` rather than 16-bit weight copies: parameters and their ``.grad``
+stay fp32 masters without touching the module (so optimizers, EMA copies, checkpoints and FSDP2 sharding see
+ordinary fp32 parameters), the casts autocast records make backward run in 16-bit and accumulate the weight
+gradients (times ``s``) into fp32 ``.grad``, and activation checkpointing replays the autocast state. The hooks are
+ordinary forward (pre-)hooks, so they compose with FSDP2's ``fully_shard`` hooks in either registration order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
+
+
+class ToBranch(torch.autograd.Function):
+    """Identity path -> branch: cast to 16-bit; backward unscales, filters Inf/NaN and flags the block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dtype: torch.dtype, scales: Tensor, flags: Tensor, index: int) -> Tensor:
+        ctx.in_dtype, ctx.scales, ctx.flags, ctx.index = x.dtype, scales, flags, index
+        return x.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        g = grad.to(torch.float32) / ctx.scales[ctx.index]
+        finite = torch.isfinite(g)
+        slot = ctx.flags[ctx.index]
+        slot.copy_(torch.maximum(slot, (~finite).any().to(slot.dtype)))  # on device: no host sync per block
+        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        return g.to(ctx.in_dtype), None, None, None, None
+
+
+class FromBranch(torch.autograd.Function):
+    """Branch -> identity path: cast to the identity dtype; backward multiplies by the scale, casts to 16-bit."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, out_dtype: torch.dtype, scales: Tensor, index: int) -> Tensor:
+        ctx.in_dtype, ctx.scales, ctx.index = y.dtype, scales, index
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        # Multiply in fp32, then cast: a product beyond the 16-bit range becomes Inf, which the filter catches.
+        return (grad.to(torch.float32) * ctx.scales[ctx.index]).to(ctx.in_dtype), None, None, None
+
+
+class BranchBoundaries:
+    """Installs autocast + ``ToBranch``/``FromBranch`` on a list of branches; holds the shared device tensors.
+
+    ``scales`` (float32, one per block) is read in backward; ``flags`` (float32, one per block plus one spare
+    slot the precision plugin uses for non-block parameters) is written in backward. Both move lazily to the
+    device of the first activation seen, because Lightning converts the module before moving it to the device.
+    """
+
+    def __init__(self, dtype: torch.dtype, num_blocks: int) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype={dtype}, expected torch.float16 or torch.bfloat16")
+        self.dtype = dtype
+        self.scales = torch.ones(num_blocks, dtype=torch.float32)
+        self.flags = torch.zeros(num_blocks + 1, dtype=torch.float32)
+        self._handles: list[RemovableHandle] = []
+        self._autocast_stack: list[torch.autocast] = []
+
+    def to(self, device: torch.device) -> None:
+        if self.scales.device != device:
+            self.scales = self.scales.to(device)
+            self.flags = self.flags.to(device)
+
+    def install(self, branches: list[nn.Module]) -> None:
+        self.remove()
+        for index, branch in enumerate(branches):
+            self._handles.append(branch.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
+            self._handles.append(branch.register_forward_hook(self._post_hook(index), always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, index: int):  # noqa: ANN202 - a closure per block
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+            device = tensors[0].device if tensors else next(module.parameters()).device
+            self.to(device)
+            ctx = torch.autocast(device.type, dtype=self.dtype, cache_enabled=False)
+            ctx.__enter__()
+            self._autocast_stack.append(ctx)
+            if not torch.is_grad_enabled():
+                return args, kwargs
+
+            def cast(t: Any) -> Any:
+                if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad:
+                    return ToBranch.apply(t, self.dtype, self.scales, self.flags, index)
+                return t
+
+            return tree_map(cast, args), tree_map(cast, kwargs)
+
+        return hook
+
+    def _post_hook(self, index: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            self._autocast_stack.pop().__exit__(None, None, None)
+
+            def cast(t: Any) -> Any:
+                if not (isinstance(t, Tensor) and t.is_floating_point()):
+                    return t
+                if torch.is_grad_enabled() and t.requires_grad:
+                    return FromBranch.apply(t, torch.float32, self.scales, index)
+                return t.to(torch.float32)
+
+            return tree_map(cast, output)
+
+        return hook

@@ -1,0 +1,34 @@
+"""Orthogonalisation of PowerSGD's P factor by Householder QR, as the paper does.
+
+Gram-Schmidt (the original PowerSGD choice) loses orthogonality when P's columns are nearly dependent, which
+at scale happens often (e.g. gradients of rank < r). The paper instead takes a Householder QR of P + eps*I,
+in fp32: Householder is backward stable, and the eps*I term makes a rank-deficient or zero P well defined
+(the missing directions are filled by coordinate axes instead of by rounding noise).
+
+LAPACK's ``geqrf`` is exactly Householder QR (R in the upper triangle, the reflectors below it), and
+``householder_product`` accumulates the reflectors into the thin Q. We flip column signs so that diag(R) >= 0,
+which makes the result unique and identical to ``torch.linalg.qr`` up to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def orthogonalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Return an fp32 matrix with orthonormal columns spanning the columns of ``p + eps*I``.
+
+    ``p`` has shape (..., n, r) with n >= r; ``I`` is the n x r identity (ones on the leading diagonal).
+    The input is not modified; any input dtype is computed in fp32 (LAPACK has no 16-bit kernels).
+    """
+    if p.ndim < 2:
+        raise ValueError(f"orthogonalize expects a matrix (..., n, r), got shape {tuple(p.shape)}")
+    n, r = p.shape[-2], p.shape[-1]
+    if r > n:
+        raise ValueError(f"orthogonalize expects n >= r (a tall P), got shape {tuple(p.shape)}")
+    a = p.float() + eps * torch.eye(n, r, dtype=torch.float32, device=p.device)
+    reflectors, tau = torch.geqrf(a)
+    q = torch.linalg.householder_product(reflectors, tau)
+    signs = torch.sign(torch.diagonal(reflectors, dim1=-2, dim2=-1))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return q * signs.unsqueeze(-2)

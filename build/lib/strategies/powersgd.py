@@ -1,0 +1,303 @@
+"""PowerSGD: low-rank averaging of local gradient shards between nodes, as in DALL-E's distributed training.
+
+Inside a node, FSDP reduce-scatters gradients so each device holds its own shard averaged over the node. Between
+nodes the bandwidth is far lower, so the shard is averaged over the "replicate" group (the devices with the
+same shard index on every node) through a rank-r approximation: for each gradient matrix M (n x m)
+
+    M <- grad + e                      (error feedback: what earlier approximations missed)
+    P <- mean over replicas of M Q     (Q: m x r, a fixed Gaussian identical on every replica)
+    P <- orthonormal basis of P + eps*I   (Householder QR, fp32)
+    Q' <- mean over replicas of M^T P
+    grad <- P Q'^T;  e <- M - P Q'^T
+
+so each replica sends r(n + m) numbers instead of n m. All P's of a step travel in ONE flat all-reduce and all
+Q's in ONE more; vectors, embeddings and matrices too small to gain go uncompressed in fp32 in a third. A
+fourth, one-element all-reduce over all ranks decides whether any gradient anywhere is non-finite, in which
+case nothing is communicated or modified and every rank skips the update (the paper skips ~5% of updates).
+
+The class works on plain tensors and process groups only, so any strategy (or none) can call it once per
+optimizer step. Without an initialised process group it behaves as a single replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strategies.comm_dtype import from_comm, resolve_comm_dtype, to_comm
+from strategies.householder import orthogonalize
+
+FP32_BYTES = 4
+
+
+def plan_rank(shape: Sequence[int], rank: int, min_compression: float) -> int:
+    """Effective PowerSGD rank for a gradient of ``shape``, or 0 when it should be all-reduced uncompressed.
+
+    A gradient with ndim >= 2 is the matrix (shape[0], prod(shape[1:])); it is compressed with rank
+    min(rank, n, m) unless that would not shrink it by at least ``min_compression`` (n m < c r (n + m)).
+    """
+    if len(shape) < 2:
+        return 0
+    n, m = int(shape[0]), math.prod(int(s) for s in shape[1:])
+    if n == 0 or m == 0:
+        return 0
+    r = min(rank, n, m)
+    if n * m < min_compression * r * (n + m):
+        return 0
+    return r
+
+
+def factor_bytes(n: int, m: int, r: int, comm_dtype: torch.dtype) -> int:
+    """Bytes one replica contributes for one compressed n x m matrix: P (n x r) plus Q' (m x r)."""
+    return r * (n + m) * torch.finfo(comm_dtype).bits // 8
+
+
+def _fixed_gaussian(name: str, seed: int, rows: int, cols: int) -> torch.Tensor:
+    """A Gaussian matrix determined by (seed, name) only, so every replica draws the same one without talking."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float32)
+
+
+@dataclass
+class PowerSGDStats:
+    """Counters for logging. Bytes are those of the flat buffers this rank contributes to inter-node all-reduces
+    (gradient traffic only; the 4-byte skip flag is not counted). ``uncompressed`` is what a plain fp32
+    all-reduce of the same gradients would contribute. A skipped step sends nothing and counts 0 bytes."""
+
+    steps: int = 0
+    skipped_steps: int = 0
+    bytes_sent_last_step: int = 0
+    uncompressed_bytes_last_step: int = 0
+    bytes_sent_total: int = 0
+    uncompressed_bytes_total: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Uncompressed over sent bytes, cumulative over all steps (1.0 before anything was sent)."""
+        return self.uncompressed_bytes_total / self.bytes_sent_total if self.bytes_sent_total else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "compression_ratio": self.compression_ratio}
+
+    def _record(self, sent: int, uncompressed: int) -> None:
+        self.bytes_sent_last_step, self.uncompressed_bytes_last_step = sent, uncompressed
+        self.bytes_sent_total += sent
+        self.uncompressed_bytes_total += uncompressed
+
+
+class PowerSGD:
+    """Averages local gradient shards over ``group`` with PowerSGD; see the module docstring.
+
+    Args:
+        group: the replicate process group (same shard index on every node); None means WORLD.
+        rank: target rank r per matrix (capped at min(n, m)).
+        start_step: number of first successful steps that use a plain fp32 all-reduce instead.
+        warm_start: reuse the previous step's Q' as Q (the paper keeps a fixed Q; resampling hurt there).
+        error_feedback: keep per-matrix fp32 error buffers and add them to the next gradient.
+        comm_dtype: wire dtype of P and Q' (fp32, bf16 or fp16; infinities clamped to the format's max).
+        eps: the eps of the Householder QR of P + eps*I.
+        min_compression: compress a matrix only if it shrinks by at least this factor.
+        seed: seeds the fixed Q of each matrix together with its name.
+        skip_group: group over which "any non-finite gradient" is agreed; None means WORLD, so every shard of
+            the model skips together and parameters stay consistent.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        rank: int = 4,
+        start_step: int = 0,
+        warm_start: bool = False,
+        error_feedback: bool = True,
+        comm_dtype: torch.dtype | str = torch.float32,
+        eps: float = 1e-6,
+        min_compression: float = 2.0,
+        seed: int = 0,
+        skip_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank={rank!r} must be a positive integer")
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step={start_step!r} must be a non-negative integer")
+        if not eps >= 0:
+            raise ValueError(f"eps={eps!r} must be >= 0")
+        if not min_compression >= 0:
+            raise ValueError(f"min_compression={min_compression!r} must be >= 0")
+        self.group, self.skip_group = group, skip_group
+        self.rank, self.start_step, self.seed = rank, start_step, seed
+        self.warm_start, self.error_feedback = warm_start, error_feedback
+        self.comm_dtype = resolve_comm_dtype(comm_dtype)
+        self.eps, self.min_compression = eps, min_compression
+        self.stats = PowerSGDStats()
+        self._step = 0  # successful (non-skipped) reductions; drives start_step
+        self._q: dict[str, torch.Tensor] = {}
+        self._error: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def replicas(self) -> int:
+        """Size of the averaging group (1 without a process group): how many copies of each shard exist."""
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def reduce(self, named_grads: Sequence[tuple[str, torch.Tensor]], uncompressed: Collection[str] = ()) -> bool:
+        """Average each local gradient in place over ``group``; return False when the step must be skipped.
+
+        Skipping happens when any gradient on any rank of ``skip_group`` is non-finite; every rank gets the same
+        answer, and then no gradient, error buffer or Q is touched. Every replica in ``group`` must pass the
+        same names and shapes in the same order.
+        """
+        named = list(named_grads)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reduce() got duplicate gradient names: {sorted({n for n in names if names.count(n) > 1})}")
+        self.stats.steps += 1
+        if not self._all_finite([g for _, g in named]):
+            self.stats.skipped_steps += 1
+            self.stats._record(0, 0)
+            return False
+
+        if self.replicas == 1:
+            # Nobody to average with (one node): the gradients are already exact; compressing them would only
+            # add approximation error, and no byte crosses a node.
+            self.stats._record(0, 0)
+            self._step += 1
+            return True
+        uncompressed_bytes = sum(g.numel() for _, g in named) * FP32_BYTES
+        plain = self._step < self.start_step
+        listed = set(uncompressed)
+        dense: list[torch.Tensor] = []
+        low_rank: list[tuple[str, torch.Tensor, int]] = []
+        for name, g in named:
+            r = 0 if plain or name in listed else plan_rank(g.shape, self.rank, self.min_compression)
+            if r:
+                low_rank.append((name, g, r))
+            else:
+                dense.append(g)
+        sent = self._reduce_dense(dense) + self._reduce_low_rank(low_rank)
+        self.stats._record(sent, uncompressed_bytes)
+        self._step += 1
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state: Q matrices, fp32 error buffers, step counter and statistics (all cloned)."""
+        return {
+            "step": self._step,
+            "rank": self.rank,
+            "seed": self.seed,
+            "q": {k: v.detach().clone() for k, v in self._q.items()},
+            "error": {k: v.detach().clone() for k, v in self._error.items()},
+            "stats": asdict(self.stats),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; refuses state made with another rank or seed (its Q would differ)."""
+        for key in ("rank", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"PowerSGD state has {key}={state[key]!r}, but this compressor has {getattr(self, key)!r}")
+        self._step = int(state["step"])
+        self._q = {k: v.detach().clone().float() for k, v in state["q"].items()}
+        self._error = {k: v.detach().clone().float() for k, v in state["error"].items()}
+        self.stats = PowerSGDStats(**state["stats"])
+
+    # ------------------------------------------------------------------ collectives
+
+    def _all_finite(self, grads: list[torch.Tensor]) -> bool:
+        device = grads[0].device if grads else torch.device("cpu")
+        local = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        flag = (~local).to(device=device, dtype=torch.float32).reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.skip_group)
+        return bool(flag.item() == 0)
+
+    def _mean_all_reduce(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Mean of fp32 ``flat`` over ``group``, sent as ``dtype``. Low-precision buffers are divided by the
+        world size before the sum and clamped to max/world, so that the sum cannot overflow the format."""
+        world = self.replicas
+        if dtype == torch.float32:
+            if world > 1 and dist.is_initialized():
+                dist.all_reduce(flat, group=self.group)
+                flat.div_(world)
+            return flat
+        wire = to_comm(flat / world, dtype, summands=world)
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(wire, group=self.group)
+        return from_comm(wire)
+
+    # ------------------------------------------------------------------ the two paths
+
+    def _reduce_dense(self, grads: list[torch.Tensor]) -> int:
+        """One flat fp32 all-reduce for every uncompressed gradient; returns the bytes sent."""
+        numel = sum(g.numel() for g in grads)
+        if numel == 0:
+            return 0
+        flat = self._mean_all_reduce(torch.cat([g.reshape(-1).float() for g in grads]), torch.float32)
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view(g.shape))
+        return numel * FP32_BYTES
+
+    def _reduce_low_rank(self, items: list[tuple[str, torch.Tensor, int]]) -> int:
+        """PowerSGD for every compressed gradient, with one grouped all-reduce for P and one for Q'."""
+        if not items:
+            return 0
+        mats: list[torch.Tensor] = []  # M = grad + e, fp32, (n, m); the error buffer itself when it exists
+        qs: list[torch.Tensor] = []
+        for name, g, r in items:
+            g2 = g.reshape(g.shape[0], -1)
+            if self.error_feedback:
+                m = self._error_buffer(name, g2.shape, g.device)
+                m.add_(g2)  # the buffer now holds M; it becomes M - approx below
+            else:
+                m = g2.float()
+            mats.append(m)
+            qs.append(self._fixed_q(name, m.shape[1], r, g.device))
+
+        ps = self._grouped_mean([m @ q for m, q in zip(mats, qs)])
+        ps = [orthogonalize(p, self.eps) for p in ps]
+        new_qs = self._grouped_mean([m.T @ p for m, p in zip(mats, ps)])
+
+        for (name, g, _), m, p, q in zip(items, mats, ps, new_qs):
+            approx = p @ q.T
+            if self.error_feedback:
+                m.sub_(approx)
+                if not torch.isfinite(m).all():  # the paper's rule: zero a buffer only once it is contaminated
+                    m.zero_()
+            g.copy_(approx.view(g.shape))
+            if self.warm_start:
+                self._q[name] = q.clone()
+        n_factor = sum(p.numel() for p in ps) + sum(q.numel() for q in new_qs)
+        return n_factor * torch.finfo(self.comm_dtype).bits // 8
+
+    def _grouped_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = self._mean_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), self.comm_dtype)
+        return [c.view(t.shape) for t, c in zip(tensors, flat.split([t.numel() for t in tensors]))]
+
+    # ------------------------------------------------------------------ buffers
+
+    def _fixed_q(self, name: str, cols: int, r: int, device: torch.device) -> torch.Tensor:
+        if name not in self._q:
+            self._q[name] = _fixed_gaussian(name, self.seed, cols, r)
+        q = self._q[name]
+        if q.shape != (cols, r):
+            raise ValueError(f"PowerSGD Q for {name!r} has shape {tuple(q.shape)}, expected {(cols, r)}; did the gradient shape change?")
+        if q.device != device:
+            q = self._q[name] = q.to(device)
+        return q
+
+    def _error_buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        if name not in self._error:
+            self._error[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+        buf = self._error[name]
+        if buf.shape != shape:
+            raise ValueError(f"PowerSGD error buffer for {name!r} has shape {tuple(buf.shape)}, expected {tuple(shape)}")
+        if buf.device != device:
+            buf = self._error[name] = buf.to(device)
+        return buf

@@ -1,0 +1,579 @@
+"""A Lightning Strategy that shards parameters within a node (FSDP2) and averages between nodes with PowerSGD.
+
+This is the paper's recipe for training a model that does not fit one GPU on machines joined by slow links:
+
+* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`strategies.mesh`);
+* every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
+  remaining parameters form the root unit; the next blocks are prefetched explicitly
+  (:mod:`strategies.prefetch`);
+* FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
+  gradient with its replicas on the other nodes through :class:`strategies.powersgd.PowerSGD` (not FSDP's HSDP
+  all-reduce, which cannot be compressed). If PowerSGD reports a non-finite gradient anywhere, every rank skips
+  the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
+  ``mark_nonfinite()`` (:class:`strategies.resblock_precision.ResblockScalingPrecision`) unscales the gradients
+  before PowerSGD and owns the skip decision;
+* checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state and
+  buffers (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
+
+Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
+(after ``import strategies``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
+on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from strategies.dcp_checkpoint import (
+    export_full_state_dict,
+    load_sharded,
+    pack,
+    rank_key,
+    read_metadata,
+    save_sharded,
+    unpack,
+)
+from strategies.dtypes import resolve_dtype
+from strategies.mesh import build_mesh
+from strategies.powersgd import PowerSGD
+from strategies.prefetch import apply_prefetch
+from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+STRATEGY_NAME = "sharded_powersgd"
+POWERSGD_KEY = "powersgd"
+SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
+# Buffers stay whole on every rank and drift apart (batch-norm running statistics of each rank's own batches); DCP
+# keeps one copy of a key that every rank saves, so each rank's own go under a key of its own. Metadata: their names.
+RANK_BUFFERS_KEY = "rank_buffers"
+
+
+class ShardedRoot(nn.Module):
+    """The FSDP root around the LightningModule.
+
+    Lightning calls ``training_step``, not ``forward``; FSDP's root hooks (lazy init, unsharding the root's own
+    parameters, the end-of-backward callback) live on ``forward``. Lightning's forward redirection routes
+    ``training_step`` through this module's ``forward``, so the hooks run, while the LightningModule itself
+    stays a plain module (its own ``self(x)`` calls are not re-entrant FSDP calls).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def embedding_param_names(module: nn.Module) -> set[str]:
+    """Names of the parameters owned by ``nn.Embedding`` modules: the paper all-reduces those uncompressed."""
+    return {
+        f"{mod_name}.{p_name}" if mod_name else p_name
+        for mod_name, mod in module.named_modules()
+        if isinstance(mod, nn.Embedding)
+        for p_name, _ in mod.named_parameters(recurse=False)
+    }
+
+
+def prepare_for_sharding(module: nn.Module) -> set[nn.Parameter]:
+    """Convert what FSDP2 cannot shard at the boundary; return the parameters it must leave alone.
+
+    * Parameters in another memory format (channels-last convolution weights, which FSDP2 refuses as
+      non-contiguous) are made contiguous. The activations keep their format: a convolution with a
+      channels-last input still runs channels-last, and FSDP2 all-gathers every weight into a contiguous
+      buffer anyway. Single-process runs never come here and keep channels-last weights.
+    * Scalar (0-d) parameters, such as CLIP's ``logit_scale``, cannot be sharded on dim 0: they stay whole on
+      every rank (``ignored_params``) and the strategy averages their gradients over all ranks itself.
+    """
+    with torch.no_grad():
+        for p in module.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+    return {p for p in module.parameters() if p.dim() == 0}
+
+
+def shard_module(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    prefetch_depth: int = 1,
+    activation_checkpointing: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> ShardedRoot:
+    """Make each block an FSDP2 unit on the 1-D ``mesh`` (bottom-up), then wrap ``module`` in the root unit."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    ignored = prepare_for_sharding(module)
+    for block in blocks:
+        if activation_checkpointing:
+            checkpoint_activations(block)  # hook-based: keeps parameter names unchanged
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
+    root = ShardedRoot(module)
+    fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    apply_prefetch(list(blocks), prefetch_depth)  # type: ignore[arg-type]
+    return root
+
+
+class ShardedPowerSGDStrategy(ModelParallelStrategy):
+    """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
+
+    Args:
+        devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
+            must be a multiple of it; nodes = world size // devices_per_node.
+        block_classes: module classes (or dotted paths) that become FSDP units; with ``block_patterns`` they
+            override the model's ``resblocks()`` declaration.
+        block_patterns: fnmatch patterns on qualified module names that become FSDP units.
+        reshard_after_forward: free gathered block parameters after forward (re-gather in backward).
+        prefetch_depth: number of blocks gathered ahead in forward and behind in backward (0: FSDP default).
+        activation_checkpointing: recompute each block's activations in backward.
+        param_dtype / reduce_dtype: FSDP ``MixedPrecisionPolicy`` (``None`` keeps the parameters' dtype).
+        powersgd_rank, start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
+            :class:`~strategies.powersgd.PowerSGD`.
+        uncompressed_patterns: fnmatch patterns of parameter names all-reduced uncompressed (in addition to
+            embeddings and 1-D parameters), e.g. the unembedding.
+        process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
+        timeout: collective timeout of every process group, so a dead peer ends the run instead of hanging it.
+    """
+
+    strategy_name = STRATEGY_NAME
+    # Gradients are averaged (FSDP's reduce-scatter, then PowerSGD's mean), never summed: the precision plugin
+    # reads this to set the paper's M (see ``ResblockScalingPrecision``).
+    gradient_reduction = "mean"
+
+    def __init__(
+        self,
+        devices_per_node: int | None = None,
+        *,
+        block_classes: Sequence[type[nn.Module] | str] | None = None,
+        block_patterns: Sequence[str] | None = None,
+        reshard_after_forward: bool = True,
+        prefetch_depth: int = 1,
+        activation_checkpointing: bool = False,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        powersgd_rank: int = 4,
+        start_step: int = 0,
+        warm_start: bool = False,
+        error_feedback: bool = True,
+        comm_dtype: torch.dtype | str = torch.float32,
+        min_compression: float = 2.0,
+        seed: int = 0,
+        eps: float = 1e-6,
+        uncompressed_patterns: Sequence[str] = (),
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = timedelta(minutes=30),
+    ) -> None:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
+            raise ValueError(f"devices_per_node={devices_per_node!r}, expected a positive integer or None")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
+        self.devices_per_node = devices_per_node
+        self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
+        self.block_patterns = list(block_patterns or ())
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch_depth = prefetch_depth
+        self.activation_checkpointing = activation_checkpointing
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
+        self.uncompressed_patterns = list(uncompressed_patterns)
+        self._powersgd_kwargs: dict[str, Any] = dict(
+            rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
+            comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps,
+        )
+        self.powersgd: PowerSGD | None = None
+        self.block_names: list[str] = []
+        self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
+        self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
+        self._uncompressed: set[str] = set()
+        self._sync_between_nodes = True
+
+    # ------------------------------------------------------------------ environment and mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Both mesh axes are data parallel: every rank reads its own part of the data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        # As every Lightning strategy: select this rank's device first (``torch.cuda.set_device`` on CUDA), so
+        # ``devices=[2, 3]`` or an already initialised CUDA context cannot put two ranks on one GPU. The parent's
+        # setup_environment is skipped on purpose: it would build ModelParallelStrategy's own (TP) mesh.
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Lightning's launcher divides the cores among its processes only in the process that launches the
+            # others (after starting them): every other rank would run as many threads as there are cores.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
+        self._setup_distributed()
+        backend = self._get_process_group_backend()
+        per_node = self.devices_per_node or self.num_processes
+        self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), **self._powersgd_kwargs)
+
+    @property
+    def num_nodes_in_mesh(self) -> int:
+        return self.device_mesh.size(0)
+
+    # ------------------------------------------------------------------ model setup
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.lightning_module is not None
+        module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
+        if self._root is not None and self._root.module is module:
+            # A later stage of the same Trainer (``validate`` after ``fit``): the module is sharded already.
+            self.model = self._root
+        else:
+            self.model = self._root = self._shard(module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: nn.Module) -> ShardedRoot:
+        blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
+        self.block_names = [name for name, _ in blocks]
+        self._uncompressed = embedding_param_names(module) | {
+            n for n, _ in module.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.uncompressed_patterns)
+        }
+        if self.device_mesh["shard"].size() == 1:
+            # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
+            # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
+            if self.activation_checkpointing:
+                for _, block in blocks:
+                    checkpoint_activations(block)
+            module.to(self.root_device)
+            self._replicated = []
+            self._broadcast_replicas(module)
+            return ShardedRoot(module)
+        root = shard_module(
+            module,
+            [b for _, b in blocks],
+            self.device_mesh["shard"],
+            reshard_after_forward=self.reshard_after_forward,
+            prefetch_depth=self.prefetch_depth,
+            activation_checkpointing=self.activation_checkpointing,
+            mp_policy=self.mp_policy,
+        )
+        _materialize_distributed_module(root, self.root_device)
+        self._replicated = [p for p in module.parameters() if not hasattr(p, "to_local")]
+        self._broadcast_replicas(module)
+        return root
+
+    @contextmanager
+    def full_parameters(self) -> Generator[None, None, None]:
+        """Collective: every parameter whole on every rank for the duration (protocol of ``callbacks/``).
+
+        For code that reaches a sharded model outside its ``forward`` (sampling with a key/value cache, a
+        decoder's ``decode`` method, image grids): FSDP2 only gathers a unit's parameters around its
+        ``forward``. Inside, no unit reshards after its forward; on exit every unit returns to its shards.
+        Memory: the whole model on every rank, as in a single-device run.
+        """
+        root = self.model
+        if not isinstance(root, FSDPModule):
+            yield None
+            return
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit in units:
+            unit.unshard()
+        try:
+            yield None
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self.reshard_after_forward and unit is not root, recurse=False)
+
+    @torch.no_grad()
+    def _broadcast_replicas(self, module: nn.Module) -> None:
+        """Make every node start from node 0's shards, and every rank from rank 0's buffers.
+
+        Each process initialises its own copy; without this, replicas of one shard would start (and stay)
+        different whenever the seeds differ.
+        """
+        replicate = self.device_mesh["replicate"]
+        if replicate.size() > 1:
+            locals_ = [p.to_local() for p in module.parameters() if hasattr(p, "to_local")]
+            _broadcast_flat(locals_, replicate.get_group())
+        whole = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
+        whole += [p.data for p in module.parameters() if not hasattr(p, "to_local")]  # parameters left whole
+        if whole and self.world_size > 1:
+            _broadcast_flat(whole, None)
+
+    # ------------------------------------------------------------------ the step
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on non-final micro-batches: no reduce-scatter and no PowerSGD there."""
+        root = self.model
+        if not isinstance(root, FSDPModule):
+            yield None
+            return
+        root.set_requires_gradient_sync(False)
+        self._sync_between_nodes = False
+        try:
+            yield None
+        finally:
+            root.set_requires_gradient_sync(True)
+            self._sync_between_nodes = True
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # Run forward/backward first, so the inter-node average (and the skip decision) sits between the
+        # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
+        result = closure()
+        precision = self.precision_plugin
+        if isinstance(precision, UnscalingPrecision):
+            # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
+            # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
+            # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
+            # collectives or none does.
+            if precision.unscale_and_flag(optimizer) and not self.reduce_gradients():
+                precision.mark_nonfinite()
+            return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        if not self.reduce_gradients():
+            optimizer.zero_grad(set_to_none=True)
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def reduce_gradients(self) -> bool:
+        """Average every local gradient shard over the replicate axis with PowerSGD; False means skip the step.
+
+        Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
+        """
+        assert self.powersgd is not None and self.lightning_module is not None
+        if not self._average_replicated():
+            return False
+        replicated = {id(p) for p in self._replicated}
+        named = []
+        for name, p in self.lightning_module.named_parameters():
+            if p.grad is None or id(p) in replicated:
+                continue
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if local.numel():
+                named.append((name, local))
+        ok = self.powersgd.reduce(named, uncompressed=self._uncompressed)
+        self._log_stats()
+        return ok
+
+    @torch.no_grad()
+    def replica_divergence(self) -> float:
+        """Collective: the largest absolute difference between any shard and its copy on node 0.
+
+        Every node holds a full copy of the model, split over its own devices; PowerSGD must leave the copies
+        of each shard identical (0.0), or the nodes are training different models.
+        """
+        module = self.lightning_module
+        assert module is not None
+        flat = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).float()
+                          for p in module.parameters()])
+        first = flat.clone()
+        if self.device_mesh["replicate"].size() > 1:
+            dist.broadcast(first, group=self.device_mesh["replicate"].get_group(), group_src=0)
+        worst = (flat - first).abs().max().reshape(1) if flat.numel() else flat.new_zeros(1)
+        if self.world_size > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst.item())
+
+    @torch.no_grad()
+    def _average_replicated(self) -> bool:
+        """Average the gradients of the parameters FSDP2 left whole over every rank (one small all-reduce);
+        False if one is non-finite (the same answer on every rank, as the values are then equal)."""
+        grads = [p.grad for p in self._replicated if p.grad is not None]
+        if not grads:
+            return True
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if self.world_size > 1:
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view(g.shape))
+        return bool(torch.isfinite(flat).all())
+
+    def _log_stats(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers or self.powersgd is None:
+            return
+        step = trainer.global_step
+        if step % max(int(getattr(trainer, "log_every_n_steps", 1)), 1):
+            return
+        stats = self.powersgd.stats
+        metrics = {
+            "powersgd/inter_node_bytes_per_rank": float(stats.bytes_sent_last_step),
+            "powersgd/uncompressed_bytes_per_rank": float(stats.uncompressed_bytes_last_step),
+            "powersgd/compression_ratio": float(stats.compression_ratio),
+            "powersgd/skipped_steps": float(stats.skipped_steps),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    # ------------------------------------------------------------------ state dicts and checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded (DTensor) state dict with the LightningModule's own parameter names."""
+        assert self.lightning_module is not None
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model state dict on CPU for single-device use (complete on rank 0 only)."""
+        assert self.lightning_module is not None
+        return export_full_state_dict(self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
+        assert self.powersgd is not None
+        path = self.broadcast(filepath)
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{idx}"] = optim_state
+        # Parameter-shaped state of other parts (a sharded EMA): keyed by parameter name, holding DTensors.
+        extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
+        for key in extras:
+            state[key] = checkpoint.pop(key)
+        checkpoint[SHARDED_EXTRAS_KEY] = extras
+        state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
+        buffers = _own_buffers(self.lightning_module, state["state_dict"])
+        checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
+        if buffers:
+            state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = pack(buffers)
+        save_sharded(path, state, checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
+        path = self.broadcast(checkpoint_path)
+        module = self.lightning_module
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        key = rank_key(POWERSGD_KEY, self.global_rank)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        for idx, opt in enumerate(optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
+        if optimizers:
+            state[key] = b""
+        saved = read_metadata(path)
+        extras = saved.get(SHARDED_EXTRAS_KEY, [])
+        buffers_key = rank_key(RANK_BUFFERS_KEY, self.global_rank)
+        if saved.get(RANK_BUFFERS_KEY):
+            state[buffers_key] = b""
+        params = dict(module.named_parameters())
+        for extra in extras:
+            state[extra] = {n: torch.empty_like(p.detach()) for n, p in params.items()}
+        metadata = load_sharded(path, state)
+        for extra in extras:
+            metadata[extra] = state[extra]
+        set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
+        if saved.get(RANK_BUFFERS_KEY):
+            with torch.no_grad():
+                for name, value in unpack(state[buffers_key]).items():
+                    module.get_buffer(name).copy_(value)
+        for idx, opt in enumerate(optimizers):
+            set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
+        if optimizers:
+            self.powersgd.load_state_dict(unpack(state[key]))
+        return metadata
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The sharded state was already loaded in load_checkpoint.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The sharded state was already loaded in load_checkpoint.
+        pass
+
+
+def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's whole (unsharded) buffers that belong in the state dict, on CPU."""
+    if module is None:
+        return {}
+    return {n: b.detach().cpu().clone() for n, b in module.named_buffers()
+            if n in state_dict and not isinstance(b, DTensor)}
+
+
+def _holds_dtensors(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, DTensor) for v in value.values())
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Broadcast from the group's first rank in one collective per dtype instead of one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        if group is None:
+            dist.broadcast(flat, src=0)
+        else:
+            dist.broadcast(flat, group=group, group_src=0)
+        for t, chunk in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(chunk.view(t.shape))
+
+
+if STRATEGY_NAME not in StrategyRegistry:
+    StrategyRegistry.register(
+        STRATEGY_NAME,
+        ShardedPowerSGDStrategy,
+        description="FSDP2 sharding within a node, PowerSGD gradient averaging between nodes, sharded DCP checkpoints",
+    )
