@@ -38,11 +38,15 @@ class ToBranch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
-        g = grad.to(torch.float32) / ctx.scales[ctx.index]
-        finite = torch.isfinite(g)
-        slot = ctx.flags[ctx.index]
-        slot.copy_(torch.maximum(slot, (~finite).any().to(slot.dtype)))  # on device: no host sync per block
-        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        # Three passes over the gradient: the widening copy, one fused unscale-and-check (the kernel GradScaler
+        # uses), and the in-place filter; flags stay on the device, so there is no host sync per block.
+        g = grad.to(torch.float32, copy=True)
+        index = ctx.index
+        found = torch.zeros(1, dtype=torch.float32, device=g.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found, ctx.scales[index : index + 1].reciprocal())
+        slot = ctx.flags[index : index + 1]
+        torch.maximum(slot, found.to(slot.device), out=slot)
+        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
         return g.to(ctx.in_dtype), None, None, None, None
 
 
