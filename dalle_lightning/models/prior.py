@@ -136,9 +136,14 @@ class Layer(nn.Module):
         return x + self.mlp(x)
 
 
-def _check_ids(kind: str, ids: torch.Tensor, vocab: int) -> None:
-    if ids.numel():
-        lo, hi = (int(x) for x in ids.aminmax())
+def _check_ids(*checks: tuple[str, torch.Tensor, int]) -> None:
+    """Each ``(kind, ids, vocab)``: ids within ``[0, vocab)``, read back in one host sync for all of them (an
+    accelerator waits at each read, so the text and image checks of a forward share one)."""
+    present = [(kind, ids, vocab) for kind, ids, vocab in checks if ids.numel()]
+    if not present:
+        return
+    bounds = torch.stack([torch.stack(ids.aminmax()).long() for _, ids, _ in present]).tolist()
+    for (kind, _, vocab), (lo, hi) in zip(present, bounds):
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{kind} ids in [{lo}, {hi}]; expected [0, {vocab})")
 
@@ -232,14 +237,14 @@ class DallePrior(nn.Module):
     def _check(self, text: torch.Tensor, image: torch.Tensor | None, max_image: int) -> None:
         if text.dim() != 2 or text.shape[1] != self.text_len:
             raise ValueError(f"text of shape {tuple(text.shape)}; expected [batch, {self.text_len}]")
-        _check_ids("text", text, self.text_vocab_size)
         if image is None:
+            _check_ids(("text", text, self.text_vocab_size))
             return
         if image.dim() != 2 or image.shape[0] != text.shape[0] or image.shape[1] > max_image:
             raise ValueError(
                 f"image tokens of shape {tuple(image.shape)}; expected [{text.shape[0]}, <= {max_image}]"
             )
-        _check_ids("image", image, self.image_vocab_size)
+        _check_ids(("text", text, self.text_vocab_size), ("image", image, self.image_vocab_size))
 
     def embed_text(self, text: torch.Tensor) -> torch.Tensor:
         """``[B, T] -> [B, T, d]``: id 0 at position ``i`` becomes that position's own padding row."""
