@@ -5,7 +5,9 @@ and the Precision plugin on 2 processes) -> generated grid + caption
 accuracy. Each step reuses what an earlier run already wrote (pass ``force=true`` to retrain everything).
 Prints each step's wall time and where its outputs are, and writes them to ``<out_dir>/demo.json``.
 
-Usage: ``python -m dalle_lightning.demo [out_dir=outputs/demo] [force=true] [steps=data,tokenizer,dvae]``
+Usage: ``python -m dalle_lightning.demo [out_dir=outputs/demo] [force=true] [steps=data,tokenizer,dvae]
+[experiment=shapes]``; ``experiment`` sizes the training stages (``conf/experiment/``: ``shapes``, the default, or
+``shapes_long``, the same pipeline trained longer).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from dalle_lightning.cli.common import CONF_DIR
 from strategies.atomic_files import write_json
 
 TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second, in metrics.json
@@ -40,12 +43,17 @@ FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
-    args = {"out_dir": "outputs/demo", "force": "false", "steps": ",".join(STEPS)}
+    args = {"out_dir": "outputs/demo", "force": "false", "steps": ",".join(STEPS), "experiment": "shapes"}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in args:
-            raise SystemExit(f"error: unknown demo argument {item!r}; expected out_dir=..., force=true|false, steps=a,b")
+            raise SystemExit(f"error: unknown demo argument {item!r}; expected out_dir=..., force=true|false, "
+                             "steps=a,b, experiment=NAME")
         args[key] = value
+    experiments = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+    if args["experiment"] not in experiments:
+        raise SystemExit(f"error: experiment={args['experiment']!r} is not in conf/experiment; expected one of "
+                         f"{experiments}")
     unknown = [s for s in args["steps"].split(",") if s not in STEPS]
     if unknown:
         raise SystemExit(f"error: unknown demo step(s) {unknown}; expected some of {list(STEPS)}")
@@ -74,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     for step in args["steps"].split(","):
         module, *overrides = STEPS[step]
         overrides.append(f"paths.work_dir={work}")
+        if module == "dalle_lightning.cli.train":
+            overrides.append(f"experiment={args['experiment']}")
         force_key = FORCE_KEY.get(step, "stage.force")
         if force and force_key:
             overrides.append(f"{force_key}=true")
