@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.init import _materialize_distributed_module, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -96,6 +98,37 @@ class ShardedRoot(nn.Module):
         return self.module(*args, **kwargs)
 
 
+# Attribute of a sharded LightningModule: (its ShardedRoot, shard-axis size). FSDP2 shards a module only once, so
+# a later fit of the same Trainer, or a new Trainer, reuses the units made for it.
+SHARDED_ROOT_ATTR = "_sharded_powersgd_root"
+
+
+def reshard_all(root: nn.Module) -> None:
+    """Return every FSDP unit under ``root`` to its shards (a no-op for sharded ones).
+
+    A forward without backward (validation, a metric under ``no_grad``) leaves the root unit gathered: its
+    registered parameters are then the gathered copies, which an optimizer built now would update in vain.
+    """
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def gather_root_before_forward(root: ShardedRoot) -> None:
+    """Gather the root unit before any forward of a module owning its parameters, not only ``training_step``.
+
+    FSDP2 gathers the root unit in ``ShardedRoot.forward`` (around ``training_step``) and reshards it after each
+    backward; a second forward in the same step (after ``manual_backward``, with a second optimizer, a metric on
+    the updated model) would meet sharded parameters. Gathering again there reads the current shards, so it also
+    sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered.
+    """
+    block_params = {id(p) for m in root.modules() if isinstance(m, FSDPModule) and m is not root for p in m.parameters()}
+    owners = [m for m in root.module.modules()
+              if any(id(p) not in block_params for p in m.parameters(recurse=False))]
+    for owner in {id(m): m for m in [root.module, *owners]}.values():
+        owner.register_forward_pre_hook(lambda *_: root.unshard())
+
+
 def embedding_param_names(module: nn.Module) -> set[str]:
     """Names of the parameters owned by ``nn.Embedding`` modules: the paper all-reduces those uncompressed."""
     return {
@@ -142,6 +175,10 @@ def shard_module(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
     root = ShardedRoot(module)
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    # ddp(find_unused_parameters=True): a parameter without a gradient on this rank (a branch only some ranks
+    # take) joins the reduce-scatter with zeros, so every rank sends the same buffers.
+    root.set_reduce_scatter_unused_params(True)
+    gather_root_before_forward(root)
     apply_prefetch(list(blocks), prefetch_depth)  # type: ignore[arg-type]
     return root
 
@@ -260,11 +297,25 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.lightning_module is not None
         module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
-        if self._root is not None and self._root.module is module:
-            # A later stage of the same Trainer (``validate`` after ``fit``): the module is sharded already.
-            self.model = self._root
+        known: tuple[ShardedRoot, int] | None = getattr(module, SHARDED_ROOT_ATTR, None)
+        shard_size = self.device_mesh["shard"].size()
+        if known is not None:
+            # A later stage or fit of the same Trainer, or a new Trainer on the same model: FSDP2 shards a module
+            # only once, so the units made then are reused; they must be on a mesh of the same shape.
+            root, size = known
+            if size != shard_size:
+                raise ValueError(
+                    f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
+                    f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
+                )
+            reshard_all(root)
+            self._plan(module)
+            self.model = self._root = root
+            self._set_replicated(module)
         else:
             self.model = self._root = self._shard(module)
+            # not a submodule (no parameters counted twice): a plain attribute the module carries to later Trainers
+            object.__setattr__(module, SHARDED_ROOT_ATTR, (self._root, shard_size))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -272,18 +323,24 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard(self, module: nn.Module) -> ShardedRoot:
+    def _plan(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The blocks that become FSDP units; records their names and the parameters PowerSGD leaves dense."""
         blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
         self.block_names = [name for name, _ in blocks]
         self._uncompressed = embedding_param_names(module) | {
             n for n, _ in module.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.uncompressed_patterns)
         }
+        return blocks
+
+    def _shard(self, module: nn.Module) -> ShardedRoot:
+        blocks = self._plan(module)
         if self.device_mesh["shard"].size() == 1:
             # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
             # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
             if self.activation_checkpointing:
                 for _, block in blocks:
                     checkpoint_activations(block)
+            _materialize_meta_tensors(module, self.root_device)  # ``init_module(empty_init=True)``
             module.to(self.root_device)
             self._replicated = []
             self._broadcast_replicas(module)
@@ -298,9 +355,13 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             mp_policy=self.mp_policy,
         )
         _materialize_distributed_module(root, self.root_device)
-        self._replicated = [p for p in module.parameters() if not hasattr(p, "to_local")]
+        self._set_replicated(module)
         self._broadcast_replicas(module)
         return root
+
+    def _set_replicated(self, module: nn.Module) -> None:
+        sharded = self.device_mesh["shard"].size() > 1
+        self._replicated = [p for p in module.parameters() if sharded and not hasattr(p, "to_local")]
 
     @contextmanager
     def full_parameters(self) -> Generator[None, None, None]:
@@ -338,10 +399,11 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if replicate.size() > 1:
             locals_ = [p.to_local() for p in module.parameters() if hasattr(p, "to_local")]
             _broadcast_flat(locals_, replicate.get_group())
-        whole = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
-        whole += [p.data for p in module.parameters() if not hasattr(p, "to_local")]  # parameters left whole
+        whole = [p.data for p in module.parameters() if not hasattr(p, "to_local")]  # parameters left whole
         if whole and self.world_size > 1:
             _broadcast_flat(whole, None)
+        if self.world_size > 1:
+            self._broadcast_buffers()
 
     # ------------------------------------------------------------------ the step
 
@@ -362,6 +424,22 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             self._sync_between_nodes = True
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # As ddp (``broadcast_buffers=True``): every rank starts a synchronised forward from rank 0's buffers, so
+        # batch-norm running statistics stay one model's rather than drifting apart per rank.
+        if self._sync_between_nodes and torch.is_grad_enabled() and self.world_size > 1:
+            self._broadcast_buffers()
+        return super().training_step(*args, **kwargs)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        assert self.lightning_module is not None
+        buffers = [b for b in self.lightning_module.buffers()
+                   if not isinstance(b, DTensor) and (b.is_floating_point() or b.dtype in (torch.int64, torch.int32))]
+        if buffers:
+            _broadcast_flat(buffers, None)
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -373,6 +451,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
         result = closure()
         precision = self.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            return self._scaled_optimizer_step(precision, optimizer, result, model, **kwargs)
         if isinstance(precision, UnscalingPrecision):
             # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
             # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
@@ -386,13 +466,37 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
+    def _scaled_optimizer_step(self, precision: MixedPrecision, optimizer: Optimizer, result: Any,
+                               model: pl.LightningModule | nn.Module | None, **kwargs: Any) -> Any:
+        """Lightning's ``MixedPrecision`` step with its ``GradScaler``, the inter-node average in the middle.
+
+        Unscaling comes first, so PowerSGD and its error feedback see true gradients; a step skipped for a
+        non-finite gradient on any rank still goes through ``scaler.step`` and ``scaler.update``, with the
+        overflow recorded on every rank, so the scale backs off (and later grows) alike everywhere, as under ``ddp``.
+        """
+        model = model or self.lightning_module
+        assert isinstance(model, LightningModule) and precision.scaler is not None
+        if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
+            return result
+        scaler = precision.scaler
+        scaler.unscale_(optimizer)
+        if not self.reduce_gradients():
+            for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                found_inf.fill_(1.0)
+        precision._after_closure(model, optimizer)  # on_before_optimizer_step and clipping, on unscaled gradients
+        output = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return output
+
     def reduce_gradients(self) -> bool:
         """Average every local gradient shard over the replicate axis with PowerSGD; False means skip the step.
 
         Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
         """
         assert self.powersgd is not None and self.lightning_module is not None
+        self._fill_unused_grads()
         if not self._average_replicated():
+            self.powersgd.stats.record_skip()  # so callbacks counting skips (NonFiniteGuard) see this one too
             return False
         replicated = {id(p) for p in self._replicated}
         named = []
@@ -424,6 +528,24 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if self.world_size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return float(worst.item())
+
+    @torch.no_grad()
+    def _fill_unused_grads(self) -> None:
+        """``ddp(find_unused_parameters=True)``: a whole parameter another rank has a gradient for gets zeros here.
+
+        Every rank must then pass the same gradients to the collectives (a branch only some ranks take would
+        otherwise mismatch them); one that no rank used keeps ``grad=None``, so the optimizer leaves it alone,
+        as under ``ddp``. Sharded parameters get the same treatment from FSDP2 (``reduce_scatter_unused_params``).
+        """
+        assert self.lightning_module is not None
+        whole = [p for p in self.lightning_module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if not whole or self.world_size == 1:
+            return
+        flags = torch.tensor([p.grad is not None for p in whole], dtype=torch.float32, device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        for p, used in zip(whole, flags.tolist()):
+            if used and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     @torch.no_grad()
     def _average_replicated(self) -> bool:
