@@ -55,6 +55,7 @@ from typing_extensions import override
 
 from strategies.dcp_checkpoint import (
     export_full_state_dict,
+    is_sharded_checkpoint,
     load_sharded,
     pack,
     rank_key,
@@ -63,6 +64,7 @@ from strategies.dcp_checkpoint import (
     unpack,
 )
 from strategies.dtypes import resolve_dtype
+from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
@@ -78,6 +80,7 @@ SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) sav
 # Buffers stay whole on every rank and drift apart (batch-norm running statistics of each rank's own batches); DCP
 # keeps one copy of a key that every rank saves, so each rank's own go under a key of its own. Metadata: their names.
 RANK_BUFFERS_KEY = "rank_buffers"
+CHECKPOINT_FORMATS = ("full", "sharded")
 
 
 class ShardedRoot(nn.Module):
@@ -202,6 +205,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             embeddings and 1-D parameters), e.g. the unembedding.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: collective timeout of every process group, so a dead peer ends the run instead of hanging it.
+        checkpoint_format: ``"full"`` writes one file as ``ddp`` does (the model gathered on rank 0; for models that
+            fit one process's memory), which ``load_from_checkpoint`` reads; ``"sharded"`` writes a DCP directory,
+            every rank its own shards (for models that do not). Either form, or a ``ddp`` file, resumes a run.
     """
 
     strategy_name = STRATEGY_NAME
@@ -231,6 +237,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         uncompressed_patterns: Sequence[str] = (),
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = timedelta(minutes=30),
+        checkpoint_format: str = "full",
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -239,6 +246,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             raise ValueError(f"devices_per_node={devices_per_node!r}, expected a positive integer or None")
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
+        self.checkpoint_format = checkpoint_format
         self.devices_per_node = devices_per_node
         self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
@@ -581,10 +591,16 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ state dicts and checkpoints
 
+    @property
+    def _full_checkpoints(self) -> bool:
+        return self.checkpoint_format == "full"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded (DTensor) state dict with the LightningModule's own parameter names."""
+        """The LightningModule's state dict: whole on rank 0 (``checkpoint_format="full"``) or sharded (DTensors)."""
         assert self.lightning_module is not None
+        if self._full_checkpoints:
+            return export_full_state_dict(self.lightning_module)
         return get_model_state_dict(self.lightning_module)
 
     @override
@@ -592,6 +608,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
+        if self._full_checkpoints:  # as ``optimizer.state_dict()`` under ddp, whole on rank 0
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return optimizer_state_by_index(get_optimizer_state_dict(self.lightning_module, optimizer, options=options))
         return get_optimizer_state_dict(self.lightning_module, optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -605,6 +624,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
         assert self.powersgd is not None
         path = self.broadcast(filepath)
+        if self._full_checkpoints:
+            self._save_full(checkpoint, path)
+            return
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
@@ -612,7 +634,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
         for key in extras:
             state[key] = checkpoint.pop(key)
-        checkpoint[SHARDED_EXTRAS_KEY] = extras
+        checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
         state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
         buffers = _own_buffers(self.lightning_module, state["state_dict"])
         checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
@@ -620,10 +642,53 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = pack(buffers)
         save_sharded(path, state, checkpoint)
 
+    def _save_full(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Collective: one file as ``ddp`` writes it (model and optimizers whole, from rank 0), plus each rank's
+        PowerSGD state and buffers in lists by global rank, so a resume on the same mesh continues exactly."""
+        assert self.powersgd is not None
+        extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
+        for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
+            checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
+        checkpoint[SHARDED_EXTRAS_KEY] = extras
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self.powersgd.state_dict()))
+        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(_own_buffers(self.lightning_module, checkpoint["state_dict"])))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.barrier("save_checkpoint")
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s)."""
         assert self.lightning_module is not None and self.powersgd is not None
         path = self.broadcast(checkpoint_path)
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path)
+        return self._load_full(path, weights_only)
+
+    def _load_full(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
+        module = self.lightning_module
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=False if weights_only is None else weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
+        set_model_state_dict(module, checkpoint["state_dict"], options=options)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        for opt, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            load_optimizer_state(opt, saved)
+        # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
+        powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
+        if optimizers and isinstance(powersgd, list) and len(powersgd) == self.world_size:
+            self.powersgd.load_state_dict(unpack(powersgd[self.global_rank]))
+        if isinstance(buffers, list) and len(buffers) == self.world_size:
+            with torch.no_grad():
+                for name, value in unpack(buffers[self.global_rank]).items():
+                    module.get_buffer(name).copy_(value)
+        params = dict(module.named_parameters())
+        for key in checkpoint.pop(SHARDED_EXTRAS_KEY, []):
+            checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
+        return checkpoint
+
+    def _load_sharded(self, path: _PATH) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
         module = self.lightning_module
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         key = rank_key(POWERSGD_KEY, self.global_rank)
@@ -638,8 +703,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if saved.get(RANK_BUFFERS_KEY):
             state[buffers_key] = b""
         params = dict(module.named_parameters())
-        for extra in extras:
-            state[extra] = {n: torch.empty_like(p.detach()) for n, p in params.items()}
+        for extra in extras:  # older checkpoints list the keys only, with an entry for every parameter
+            names = extras[extra] if isinstance(extras, dict) else list(params)
+            state[extra] = {n: torch.empty_like(params[n].detach()) for n in names}
         metadata = load_sharded(path, state)
         for extra in extras:
             metadata[extra] = state[extra]

@@ -44,14 +44,15 @@ DATA = token_dataset(n=48)
 
 
 # ---------------------------------------------------------------------------------------------------- parts
-def strategy(layout: str, *, find_unused: bool = False) -> Any:
+def strategy(layout: str, *, find_unused: bool = False, checkpoint_format: str = "full") -> Any:
+    """The layout's strategy; ``find_unused`` is for ddp, ``checkpoint_format`` for the sharded strategy."""
     if layout == "ddp":
         return DDPStrategy(process_group_backend="gloo", find_unused_parameters=find_unused)
     if layout == "dpn2":
-        return ShardedPowerSGDStrategy(devices_per_node=2, timeout=CASE_LIMIT)
+        return ShardedPowerSGDStrategy(devices_per_node=2, timeout=CASE_LIMIT, checkpoint_format=checkpoint_format)
     if layout == "dpn1":  # full PowerSGD rank: every matrix here has a side of at most 2 * WIDTH
         return ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=4 * WIDTH, min_compression=0.0,
-                                       timeout=CASE_LIMIT)
+                                       timeout=CASE_LIMIT, checkpoint_format=checkpoint_format)
     raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
 
 
@@ -225,17 +226,19 @@ def case_two_optimizers(layout: str, rank: int, workdir: Path) -> dict[str, torc
     return full_weights(module)
 
 
-def _checkpointed_run(layout: str, rank: int, workdir: Path, resume: str) -> dict[str, torch.Tensor]:
+def _checkpointed_run(layout: str, rank: int, workdir: Path, resume: str, fmt: str = "full") -> dict[str, torch.Tensor]:
     kwargs: dict[str, Any] = dict(max_steps=-1, limit_train_batches=2, limit_val_batches=2, enable_checkpointing=True)
     ckpt = ModelCheckpoint(dirpath=workdir / "ckpt", monitor="val_loss", save_top_k=2, save_last=True)
     module = Plain()
-    fit(layout, module, rank, val=True, max_epochs=3, callbacks=[ckpt], **kwargs)
+    fit(layout, module, rank, val=True, max_epochs=3, callbacks=[ckpt], strategy_=strategy(layout, checkpoint_format=fmt),
+        **kwargs)
     kept = torch.tensor(float(len(ckpt.best_k_models)))
+    on_disk = torch.tensor(float(len(list((workdir / "ckpt").iterdir()))))
     best = ckpt.best_model_path if resume == "best" else ckpt.last_model_path
     module = Plain()
-    fit(layout, module, rank, val=True, max_epochs=4, ckpt_path=best,
+    fit(layout, module, rank, val=True, max_epochs=4, ckpt_path=best, strategy_=strategy(layout, checkpoint_format=fmt),
         callbacks=[ModelCheckpoint(dirpath=workdir / "ckpt2")], **kwargs)
-    return {**full_weights(module), "kept": kept}
+    return {**full_weights(module), "kept": kept, "on_disk": on_disk}
 
 
 def case_checkpoint_topk_resume_last(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
@@ -244,6 +247,11 @@ def case_checkpoint_topk_resume_last(layout: str, rank: int, workdir: Path) -> d
 
 def case_checkpoint_resume_best(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
     return _checkpointed_run(layout, rank, workdir, "best")
+
+
+def case_checkpoint_topk_resume_last_sharded_format(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """The same with ``checkpoint_format="sharded"`` (DCP directories) under the strategy."""
+    return _checkpointed_run(layout, rank, workdir, "last", fmt="sharded")
 
 
 class Gathering(Plain):
@@ -492,17 +500,23 @@ def case_nonfinite_scalar_parameter(layout: str, rank: int, workdir: Path) -> di
     return {**full_weights(module), "skipped": torch.tensor(float(guard.counts(trainer)[0]))}
 
 
-def case_ema_frozen_resume(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+def case_ema_frozen_resume(layout: str, rank: int, workdir: Path, fmt: str = "full") -> dict[str, torch.Tensor]:
     def frozen() -> Plain:
         module = Plain()
         module.model.embed.requires_grad_(False)
         return module
 
     path = workdir / "ema.ckpt"
-    fit(layout, frozen(), rank, max_steps=2, callbacks=[EMA(decay=0.5)]).save_checkpoint(path)
+    fit(layout, frozen(), rank, max_steps=2, callbacks=[EMA(decay=0.5)], strategy_=strategy(layout, checkpoint_format=fmt)
+        ).save_checkpoint(path)
     module = frozen()
-    fit(layout, module, rank, max_steps=4, ckpt_path=path, callbacks=[EMA(decay=0.5)])
+    fit(layout, module, rank, max_steps=4, ckpt_path=path, callbacks=[EMA(decay=0.5)],
+        strategy_=strategy(layout, checkpoint_format=fmt))
     return full_weights(module)
+
+
+def case_ema_frozen_resume_sharded_format(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    return case_ema_frozen_resume(layout, rank, workdir, fmt="sharded")
 
 
 CASES: dict[str, Callable[[str, int, Path], dict[str, torch.Tensor]]] = {
