@@ -651,7 +651,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
         checkpoint[SHARDED_EXTRAS_KEY] = extras
         checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self.powersgd.state_dict()))
-        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(_own_buffers(self.lightning_module, checkpoint["state_dict"])))
+        assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
+        buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
+        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(buffers))
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, path)
         self.barrier("save_checkpoint")
