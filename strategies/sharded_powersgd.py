@@ -23,6 +23,7 @@ on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGD
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -267,6 +268,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
         self._sync_between_nodes = True
+        self._units_ran: dict[str, bool] = {}  # block unit -> ran forward since the last backward (dpn > 1)
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -365,6 +367,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             mp_policy=self.mp_policy,
         )
         _materialize_distributed_module(root, self.root_device)
+        for name, block in blocks:
+            block.register_forward_pre_hook(functools.partial(self._mark_ran, name))
         self._set_replicated(module)
         self._broadcast_replicas(module)
         return root
@@ -417,6 +421,35 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ the step
 
+    def _mark_ran(self, name: str, *_: Any) -> None:
+        self._units_ran[name] = True
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.device_mesh["shard"].size() > 1:
+            self._check_units_ran()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _check_units_ran(self) -> None:
+        """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
+
+        A block only some ranks run (layer drop decided per rank) leaves FSDP2's gathers and reduce-scatters
+        unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
+        into an error on every rank before the backward's collectives start.
+        """
+        ran = torch.tensor([self._units_ran.get(n, False) for n in self.block_names], dtype=torch.float32,
+                           device=self.root_device)
+        self._units_ran = {}
+        both = torch.stack([ran, -ran])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.device_mesh["shard"].get_group())
+        uneven = [n for n, hi, lo in zip(self.block_names, both[0].tolist(), (-both[1]).tolist()) if hi != lo]
+        if uneven:
+            raise RuntimeError(
+                f"block {uneven[0]} ran forward on some ranks of a node only; ShardedPowerSGDStrategy needs every "
+                f"FSDP unit in every rank's forward at devices_per_node > 1: run it everywhere (scale its output "
+                f"by 0 where skipped), or leave it out of the units (block_patterns/block_classes) or use devices_per_node=1"
+            )
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -439,6 +472,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # batch-norm running statistics stay one model's rather than drifting apart per rank.
         if self._sync_between_nodes and torch.is_grad_enabled() and self.world_size > 1:
             self._broadcast_buffers()
+        self._units_ran = {}  # forwards outside training (validation) do not count
         return super().training_step(*args, **kwargs)
 
     @torch.no_grad()

@@ -429,6 +429,24 @@ def case_unused_on_some_ranks(layout: str, rank: int, workdir: Path) -> dict[str
     return full_weights(module)
 
 
+class BlockSkippedOnSomeRanks(Plain):
+    """Rank 1 skips the middle block (layer drop decided per rank): a whole FSDP unit unused there."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        net = self.model
+        x = net.embed(batch[0])
+        for i, block in enumerate(net.blocks):
+            if not (i == 1 and self.global_rank == 1):
+                x = x + block(x)
+        return loss_of(net.head(x), batch[1])
+
+
+def case_block_skipped_on_some_ranks(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    module = BlockSkippedOnSomeRanks()
+    fit(layout, module, rank, strategy_=strategy(layout, find_unused=True))
+    return full_weights(module)
+
+
 def case_save_load_checkpoint(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
     """``trainer.save_checkpoint`` writes what ``load_from_checkpoint`` reads; ``fit(ckpt_path=)`` takes a ddp file."""
     ddp_file = workdir / "from_ddp.ckpt"
