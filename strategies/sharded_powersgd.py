@@ -12,8 +12,12 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
   the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
   ``mark_nonfinite()`` (:class:`strategies.resblock_precision.ResblockScalingPrecision`) unscales the gradients
   before PowerSGD and owns the skip decision;
-* checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state and
-  buffers (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
+* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
+  sharded DCP directories (``"sharded"``, :mod:`strategies.dcp_checkpoint`), holding the model, the optimizer and
+  each rank's PowerSGD state and buffers, so a resumed run continues exactly; either form, or a ``ddp`` file,
+  resumes a run;
+* a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
+  ``docs/plugins.md``), or the strategy says in one line what it cannot do.
 
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
 (after ``import strategies``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
@@ -78,8 +82,9 @@ if TYPE_CHECKING:
 STRATEGY_NAME = "sharded_powersgd"
 POWERSGD_KEY = "powersgd"
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
-# Buffers stay whole on every rank and drift apart (batch-norm running statistics of each rank's own batches); DCP
-# keeps one copy of a key that every rank saves, so each rank's own go under a key of its own. Metadata: their names.
+# Buffers stay whole on every rank and differ by the last step (each rank's forward updates rank 0's broadcast
+# running statistics with its own batch, as under ddp); DCP keeps one copy of a key that every rank saves, so each
+# rank's own go under a key of its own (a full checkpoint: a list by rank). Metadata: their names.
 RANK_BUFFERS_KEY = "rank_buffers"
 CHECKPOINT_FORMATS = ("full", "sharded")
 
