@@ -101,6 +101,7 @@ class ShardedRoot(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        self.units_ran: dict[str, bool] = {}  # block unit -> ran forward since the last check (see the strategy)
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -273,7 +274,6 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
         self._sync_between_nodes = True
-        self._units_ran: dict[str, bool] = {}  # block unit -> ran forward since the last backward (dpn > 1)
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -373,7 +373,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         )
         _materialize_distributed_module(root, self.root_device)
         for name, block in blocks:
-            block.register_forward_pre_hook(functools.partial(self._mark_ran, name))
+            block.register_forward_pre_hook(functools.partial(_mark_ran, root.units_ran, name))
         self._set_replicated(module)
         self._broadcast_replicas(module)
         return root
@@ -426,9 +426,6 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ the step
 
-    def _mark_ran(self, name: str, *_: Any) -> None:
-        self._units_ran[name] = True
-
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.device_mesh["shard"].size() > 1:
@@ -442,9 +439,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
         into an error on every rank before the backward's collectives start.
         """
-        ran = torch.tensor([self._units_ran.get(n, False) for n in self.block_names], dtype=torch.float32,
+        assert self._root is not None
+        ran = torch.tensor([self._root.units_ran.get(n, False) for n in self.block_names], dtype=torch.float32,
                            device=self.root_device)
-        self._units_ran = {}
+        self._root.units_ran.clear()
         both = torch.stack([ran, -ran])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.device_mesh["shard"].get_group())
         uneven = [n for n, hi, lo in zip(self.block_names, both[0].tolist(), (-both[1]).tolist()) if hi != lo]
@@ -477,7 +475,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # batch-norm running statistics stay one model's rather than drifting apart per rank.
         if self._sync_between_nodes and torch.is_grad_enabled() and self.world_size > 1:
             self._broadcast_buffers()
-        self._units_ran = {}  # forwards outside training (validation) do not count
+        if self._root is not None:
+            self._root.units_ran.clear()  # forwards outside training (validation) do not count
         return super().training_step(*args, **kwargs)
 
     @torch.no_grad()
@@ -778,6 +777,10 @@ def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dic
         return {}
     return {n: b.detach().cpu().clone() for n, b in module.named_buffers()
             if n in state_dict and not isinstance(b, DTensor)}
+
+
+def _mark_ran(ran: dict[str, bool], name: str, *_: Any) -> None:
+    ran[name] = True
 
 
 def _holds_dtensors(value: Any) -> bool:
