@@ -102,6 +102,7 @@ class ShardedRoot(nn.Module):
         super().__init__()
         self.module = module
         self.units_ran: dict[str, bool] = {}  # block unit -> ran forward since the last check (see the strategy)
+        self.gathered_outside = False  # gathered again after a backward resharded it (see gather_root_before_forward)
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -133,10 +134,20 @@ def gather_root_before_forward(root: ShardedRoot) -> None:
     sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered.
     """
     block_params = {id(p) for m in root.modules() if isinstance(m, FSDPModule) and m is not root for p in m.parameters()}
-    owners = [m for m in root.module.modules()
-              if any(id(p) not in block_params for p in m.parameters(recurse=False))]
-    for owner in {id(m): m for m in [root.module, *owners]}.values():
-        owner.register_forward_pre_hook(lambda *_: root.unshard())
+    owned = [(m, n) for m in root.module.modules() for n, p in m.named_parameters(recurse=False)
+             if id(p) not in block_params]
+    if not owned:
+        return  # the root unit holds no parameters
+    probe = owned[0]  # FSDP2 swaps the registered parameter: a DTensor while the unit is sharded
+    for owner in {id(m): m for m in [root.module, *(m for m, _ in owned)]}.values():
+        owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root, probe))
+
+
+def _gather_if_sharded(root: ShardedRoot, probe: tuple[nn.Module, str], *_: Any) -> None:
+    owner, name = probe
+    if isinstance(owner._parameters[name], DTensor):
+        root.unshard()  # type: ignore[operator]
+        root.gathered_outside = True
 
 
 def embedding_param_names(module: nn.Module) -> set[str]:
@@ -270,6 +281,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         )
         self.powersgd: PowerSGD | None = None
         self.block_names: list[str] = []
+        self._blocks: dict[str, nn.Module] = {}
         self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
@@ -344,6 +356,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         """The blocks that become FSDP units; records their names and the parameters PowerSGD leaves dense."""
         blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
         self.block_names = [name for name, _ in blocks]
+        self._blocks = dict(blocks)
         self._uncompressed = embedding_param_names(module) | {
             n for n, _ in module.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.uncompressed_patterns)
         }
@@ -429,15 +442,30 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.device_mesh["shard"].size() > 1:
-            self._check_units_ran()
+            idle = self._check_units_ran()
+            # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
+            # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
+            # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
+            untouched = [p for name in idle for p in self._blocks[name].parameters() if p.grad is None]
+            assert self._root is not None
+            if self._root.gathered_outside:
+                # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
+                # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
+                # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
+                self._root.gathered_outside = False
+                self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            for p in untouched:
+                p.grad = None
+            return loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _check_units_ran(self) -> None:
+    def _check_units_ran(self) -> list[str]:
         """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
 
         A block only some ranks run (layer drop decided per rank) leaves FSDP2's gathers and reduce-scatters
         unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
-        into an error on every rank before the backward's collectives start.
+        into an error on every rank before the backward's collectives start. Returns the units no rank ran.
         """
         assert self._root is not None
         ran = torch.tensor([self._root.units_ran.get(n, False) for n in self.block_names], dtype=torch.float32,
@@ -445,13 +473,15 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._root.units_ran.clear()
         both = torch.stack([ran, -ran])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.device_mesh["shard"].get_group())
-        uneven = [n for n, hi, lo in zip(self.block_names, both[0].tolist(), (-both[1]).tolist()) if hi != lo]
+        highs, lows = both[0].tolist(), (-both[1]).tolist()
+        uneven = [n for n, hi, lo in zip(self.block_names, highs, lows) if hi != lo]
         if uneven:
             raise RuntimeError(
                 f"block {uneven[0]} ran forward on some ranks of a node only; ShardedPowerSGDStrategy needs every "
                 f"FSDP unit in every rank's forward at devices_per_node > 1: run it everywhere (scale its output "
                 f"by 0 where skipped), or leave it out of the units (block_patterns/block_classes) or use devices_per_node=1"
             )
+        return [n for n, hi in zip(self.block_names, highs) if not hi]  # units no rank ran
 
     @contextmanager
     @override

@@ -126,6 +126,7 @@ def _owner(name: str) -> object:
         "EMAWeightAveraging": EMAWeightAveraging,
         "GradScaler": lambda: torch.amp.GradScaler("cpu"),
         "ProcessGroupGloo._Options": dist.ProcessGroupGloo._Options,  # type: ignore[attr-defined]
+        "Module": torch.nn.Module,
     }
     return makers[name]() if name in makers else importlib.import_module(name)
 
@@ -146,6 +147,12 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "GradScaler": ("_per_optimizer_states",),
     # strategies.mesh: the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
+    # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
+    # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients; the gather hook reads which
+    # parameter object a module holds (FSDP2 swaps sharded and gathered ones).
+    "torch.distributed.fsdp": ("FSDPModule._get_fsdp_state",),
+    "torch.distributed.fsdp._fully_shard._fsdp_state": ("FSDPState._register_pre_backward_hook",),
+    "Module": ("_parameters",),
 }
 
 

@@ -200,6 +200,23 @@ def case_manual_second_forward(layout: str, rank: int, workdir: Path) -> dict[st
     return full_weights(module)
 
 
+class ManualRootOnly(Manual):
+    """A second update in the same step through parameters outside the blocks only (embedding and head)."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss_of(self.model.head(self.model.embed(batch[0])), batch[1]))
+        opt.step()
+
+
+def case_manual_second_update_outside_blocks(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    module = ManualRootOnly()
+    fit(layout, module, rank, strategy_=strategy(layout, find_unused=True))
+    return full_weights(module)
+
+
 class TwoOptimizers(Plain):
     """GAN-style: the blocks and the rest have their own optimizer, stepped one after the other."""
 
