@@ -48,11 +48,12 @@ def strategy(layout: str, *, find_unused: bool = False, checkpoint_format: str =
     """The layout's strategy; ``find_unused`` is for ddp, ``checkpoint_format`` for the sharded strategy."""
     if layout == "ddp":
         return DDPStrategy(process_group_backend="gloo", find_unused_parameters=find_unused)
+    fmt = {} if checkpoint_format == "full" else {"checkpoint_format": checkpoint_format}  # the default unsaid
     if layout == "dpn2":
-        return ShardedPowerSGDStrategy(devices_per_node=2, timeout=CASE_LIMIT, checkpoint_format=checkpoint_format)
+        return ShardedPowerSGDStrategy(devices_per_node=2, timeout=CASE_LIMIT, **fmt)
     if layout == "dpn1":  # full PowerSGD rank: every matrix here has a side of at most 2 * WIDTH
         return ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=4 * WIDTH, min_compression=0.0,
-                                       timeout=CASE_LIMIT, checkpoint_format=checkpoint_format)
+                                       timeout=CASE_LIMIT, **fmt)
     raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
 
 
