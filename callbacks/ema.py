@@ -171,8 +171,10 @@ class EMA(EMAWeightAveraging):
         if not state:
             return
         params = dict(pl_module.named_parameters())
-        missing = sorted(set(params) - set(state))
+        self._names = [n for n, p in params.items() if p.requires_grad]  # frozen parameters are not averaged
+        missing = sorted(set(self._names) - set(state))
         if missing:
-            raise KeyError(f"checkpoint EMA has no entry for parameter(s) {missing[:3]}; expected one per parameter")
-        self._names = [n for n, p in params.items() if p.requires_grad]
+            raise KeyError(
+                f"checkpoint EMA has no entry for parameter(s) {missing[:3]}; expected one per trainable parameter"
+            )
         self._average = [state[n].detach().clone().to(params[n].device) for n in self._names]

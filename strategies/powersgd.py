@@ -86,6 +86,12 @@ class PowerSGDStats:
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "compression_ratio": self.compression_ratio}
 
+    def record_skip(self) -> None:
+        """Count a step skipped for a non-finite gradient, found here or by the caller before reducing."""
+        self.steps += 1
+        self.skipped_steps += 1
+        self._record(0, 0)
+
     def _record(self, sent: int, uncompressed: int) -> None:
         self.bytes_sent_last_step, self.uncompressed_bytes_last_step = sent, uncompressed
         self.bytes_sent_total += sent
@@ -159,11 +165,10 @@ class PowerSGD:
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError(f"reduce() got duplicate gradient names: {sorted({n for n in names if names.count(n) > 1})}")
-        self.stats.steps += 1
         if not self._all_finite([g for _, g in named]):
-            self.stats.skipped_steps += 1
-            self.stats._record(0, 0)
+            self.stats.record_skip()
             return False
+        self.stats.steps += 1
 
         if self.replicas == 1:
             # Nobody to average with (one node): the gradients are already exact; compressing them would only

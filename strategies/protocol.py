@@ -59,6 +59,7 @@ class UnscalingPrecision(Protocol):
 def _qualify(root: nn.Module, modules: Iterable[object]) -> list[tuple[str, nn.Module]]:
     names = {id(m): n for n, m in root.named_modules()}
     out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
     for item in modules:
         if isinstance(item, tuple):
             _, mod = item
@@ -66,7 +67,9 @@ def _qualify(root: nn.Module, modules: Iterable[object]) -> list[tuple[str, nn.M
             mod = item
         if not isinstance(mod, nn.Module) or id(mod) not in names:
             raise ValueError(f"{RESBLOCKS_METHOD}() returned {type(mod).__name__}, expected submodules of the model")
-        out.append((names[id(mod)], mod))
+        if id(mod) not in seen:  # one block applied twice (ALBERT-style sharing) is one unit, under its first name
+            seen.add(id(mod))
+            out.append((names[id(mod)], mod))
     return out
 
 

@@ -12,8 +12,12 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
   the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
   ``mark_nonfinite()`` (:class:`strategies.resblock_precision.ResblockScalingPrecision`) unscales the gradients
   before PowerSGD and owns the skip decision;
-* checkpoints are sharded DCP directories holding the model, the optimizer and each rank's PowerSGD state and
-  buffers (:mod:`strategies.dcp_checkpoint`), so a resumed run continues exactly.
+* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
+  sharded DCP directories (``"sharded"``, :mod:`strategies.dcp_checkpoint`), holding the model, the optimizer and
+  each rank's PowerSGD state and buffers, so a resumed run continues exactly; either form, or a ``ddp`` file,
+  resumes a run;
+* a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
+  ``docs/plugins.md``), or the strategy says in one line what it cannot do.
 
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
 (after ``import strategies``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
@@ -23,6 +27,7 @@ on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGD
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -31,10 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.init import _materialize_distributed_module, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -53,6 +60,7 @@ from typing_extensions import override
 
 from strategies.dcp_checkpoint import (
     export_full_state_dict,
+    is_sharded_checkpoint,
     load_sharded,
     pack,
     rank_key,
@@ -61,6 +69,7 @@ from strategies.dcp_checkpoint import (
     unpack,
 )
 from strategies.dtypes import resolve_dtype
+from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 from strategies.mesh import build_mesh
 from strategies.powersgd import PowerSGD
 from strategies.prefetch import apply_prefetch
@@ -73,9 +82,11 @@ if TYPE_CHECKING:
 STRATEGY_NAME = "sharded_powersgd"
 POWERSGD_KEY = "powersgd"
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
-# Buffers stay whole on every rank and drift apart (batch-norm running statistics of each rank's own batches); DCP
-# keeps one copy of a key that every rank saves, so each rank's own go under a key of its own. Metadata: their names.
+# Buffers stay whole on every rank and differ by the last step (each rank's forward updates rank 0's broadcast
+# running statistics with its own batch, as under ddp); DCP keeps one copy of a key that every rank saves, so each
+# rank's own go under a key of its own (a full checkpoint: a list by rank). Metadata: their names.
 RANK_BUFFERS_KEY = "rank_buffers"
+CHECKPOINT_FORMATS = ("full", "sharded")
 
 
 class ShardedRoot(nn.Module):
@@ -90,10 +101,53 @@ class ShardedRoot(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        self.units_ran: dict[str, bool] = {}  # block unit -> ran forward since the last check (see the strategy)
+        self.gathered_outside = False  # gathered again after a backward resharded it (see gather_root_before_forward)
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+
+# Attribute of a sharded LightningModule: (its ShardedRoot, shard-axis size). FSDP2 shards a module only once, so
+# a later fit of the same Trainer, or a new Trainer, reuses the units made for it.
+SHARDED_ROOT_ATTR = "_sharded_powersgd_root"
+
+
+def reshard_all(root: nn.Module) -> None:
+    """Return every FSDP unit under ``root`` to its shards (a no-op for sharded ones).
+
+    A forward without backward (validation, a metric under ``no_grad``) leaves the root unit gathered: its
+    registered parameters are then the gathered copies, which an optimizer built now would update in vain.
+    """
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def gather_root_before_forward(root: ShardedRoot) -> None:
+    """Gather the root unit before any forward of a module owning its parameters, not only ``training_step``.
+
+    FSDP2 gathers the root unit in ``ShardedRoot.forward`` (around ``training_step``) and reshards it after each
+    backward; a second forward in the same step (after ``manual_backward``, with a second optimizer, a metric on
+    the updated model) would meet sharded parameters. Gathering again there reads the current shards, so it also
+    sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered.
+    """
+    block_params = {id(p) for m in root.modules() if isinstance(m, FSDPModule) and m is not root for p in m.parameters()}
+    owned = [(m, n) for m in root.module.modules() for n, p in m.named_parameters(recurse=False)
+             if id(p) not in block_params]
+    if not owned:
+        return  # the root unit holds no parameters
+    probe = owned[0]  # FSDP2 swaps the registered parameter: a DTensor while the unit is sharded
+    for owner in {id(m): m for m in [root.module, *(m for m, _ in owned)]}.values():
+        owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root, probe))
+
+
+def _gather_if_sharded(root: ShardedRoot, probe: tuple[nn.Module, str], *_: Any) -> None:
+    owner, name = probe
+    if isinstance(owner._parameters[name], DTensor):
+        root.unshard()  # type: ignore[operator]
+        root.gathered_outside = True
 
 
 def embedding_param_names(module: nn.Module) -> set[str]:
@@ -142,6 +196,10 @@ def shard_module(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
     root = ShardedRoot(module)
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    # ddp(find_unused_parameters=True): a parameter without a gradient on this rank (a branch only some ranks
+    # take) joins the reduce-scatter with zeros, so every rank sends the same buffers.
+    root.set_reduce_scatter_unused_params(True)
+    gather_root_before_forward(root)
     apply_prefetch(list(blocks), prefetch_depth)  # type: ignore[arg-type]
     return root
 
@@ -165,6 +223,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             embeddings and 1-D parameters), e.g. the unembedding.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: collective timeout of every process group, so a dead peer ends the run instead of hanging it.
+        checkpoint_format: ``"full"`` writes one file as ``ddp`` does (the model gathered on rank 0; for models that
+            fit one process's memory), which ``load_from_checkpoint`` reads; ``"sharded"`` writes a DCP directory,
+            every rank its own shards (for models that do not). Either form, or a ``ddp`` file, resumes a run.
     """
 
     strategy_name = STRATEGY_NAME
@@ -194,6 +255,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         uncompressed_patterns: Sequence[str] = (),
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = timedelta(minutes=30),
+        checkpoint_format: str = "full",
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -202,6 +264,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             raise ValueError(f"devices_per_node={devices_per_node!r}, expected a positive integer or None")
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
+        self.checkpoint_format = checkpoint_format
         self.devices_per_node = devices_per_node
         self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
@@ -216,6 +281,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         )
         self.powersgd: PowerSGD | None = None
         self.block_names: list[str] = []
+        self._blocks: dict[str, nn.Module] = {}
         self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
@@ -260,11 +326,25 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         assert self.lightning_module is not None
         module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
-        if self._root is not None and self._root.module is module:
-            # A later stage of the same Trainer (``validate`` after ``fit``): the module is sharded already.
-            self.model = self._root
+        known: tuple[ShardedRoot, int] | None = getattr(module, SHARDED_ROOT_ATTR, None)
+        shard_size = self.device_mesh["shard"].size()
+        if known is not None:
+            # A later stage or fit of the same Trainer, or a new Trainer on the same model: FSDP2 shards a module
+            # only once, so the units made then are reused; they must be on a mesh of the same shape.
+            root, size = known
+            if size != shard_size:
+                raise ValueError(
+                    f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
+                    f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
+                )
+            reshard_all(root)
+            self._plan(module)
+            self.model = self._root = root
+            self._set_replicated(module)
         else:
             self.model = self._root = self._shard(module)
+            # not a submodule (no parameters counted twice): a plain attribute the module carries to later Trainers
+            object.__setattr__(module, SHARDED_ROOT_ATTR, (self._root, shard_size))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -272,18 +352,25 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard(self, module: nn.Module) -> ShardedRoot:
+    def _plan(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The blocks that become FSDP units; records their names and the parameters PowerSGD leaves dense."""
         blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
         self.block_names = [name for name, _ in blocks]
+        self._blocks = dict(blocks)
         self._uncompressed = embedding_param_names(module) | {
             n for n, _ in module.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.uncompressed_patterns)
         }
+        return blocks
+
+    def _shard(self, module: nn.Module) -> ShardedRoot:
+        blocks = self._plan(module)
         if self.device_mesh["shard"].size() == 1:
             # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
             # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
             if self.activation_checkpointing:
                 for _, block in blocks:
                     checkpoint_activations(block)
+            _materialize_meta_tensors(module, self.root_device)  # ``init_module(empty_init=True)``
             module.to(self.root_device)
             self._replicated = []
             self._broadcast_replicas(module)
@@ -298,9 +385,15 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             mp_policy=self.mp_policy,
         )
         _materialize_distributed_module(root, self.root_device)
-        self._replicated = [p for p in module.parameters() if not hasattr(p, "to_local")]
+        for name, block in blocks:
+            block.register_forward_pre_hook(functools.partial(_mark_ran, root.units_ran, name))
+        self._set_replicated(module)
         self._broadcast_replicas(module)
         return root
+
+    def _set_replicated(self, module: nn.Module) -> None:
+        sharded = self.device_mesh["shard"].size() > 1
+        self._replicated = [p for p in module.parameters() if sharded and not hasattr(p, "to_local")]
 
     @contextmanager
     def full_parameters(self) -> Generator[None, None, None]:
@@ -338,12 +431,57 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if replicate.size() > 1:
             locals_ = [p.to_local() for p in module.parameters() if hasattr(p, "to_local")]
             _broadcast_flat(locals_, replicate.get_group())
-        whole = [b for b in module.buffers() if b.is_floating_point() or b.dtype in (torch.int64, torch.int32)]
-        whole += [p.data for p in module.parameters() if not hasattr(p, "to_local")]  # parameters left whole
+        whole = [p.data for p in module.parameters() if not hasattr(p, "to_local")]  # parameters left whole
         if whole and self.world_size > 1:
             _broadcast_flat(whole, None)
+        if self.world_size > 1:
+            self._broadcast_buffers()
 
     # ------------------------------------------------------------------ the step
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.device_mesh["shard"].size() > 1:
+            idle = self._check_units_ran()
+            # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
+            # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
+            # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
+            untouched = [p for name in idle for p in self._blocks[name].parameters() if p.grad is None]
+            assert self._root is not None
+            if self._root.gathered_outside:
+                # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
+                # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
+                # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
+                self._root.gathered_outside = False
+                self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            for p in untouched:
+                p.grad = None
+            return loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _check_units_ran(self) -> list[str]:
+        """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
+
+        A block only some ranks run (layer drop decided per rank) leaves FSDP2's gathers and reduce-scatters
+        unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
+        into an error on every rank before the backward's collectives start. Returns the units no rank ran.
+        """
+        assert self._root is not None
+        ran = torch.tensor([self._root.units_ran.get(n, False) for n in self.block_names], dtype=torch.float32,
+                           device=self.root_device)
+        self._root.units_ran.clear()
+        both = torch.stack([ran, -ran])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.device_mesh["shard"].get_group())
+        highs, lows = both[0].tolist(), (-both[1]).tolist()
+        uneven = [n for n, hi, lo in zip(self.block_names, highs, lows) if hi != lo]
+        if uneven:
+            raise RuntimeError(
+                f"block {uneven[0]} ran forward on some ranks of a node only; ShardedPowerSGDStrategy needs every "
+                f"FSDP unit in every rank's forward at devices_per_node > 1: run it everywhere (scale its output "
+                f"by 0 where skipped), or leave it out of the units (block_patterns/block_classes) or use devices_per_node=1"
+            )
+        return [n for n, hi in zip(self.block_names, highs) if not hi]  # units no rank ran
 
     @contextmanager
     @override
@@ -362,6 +500,24 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             self._sync_between_nodes = True
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # As ddp (``broadcast_buffers=True``): every rank starts a synchronised forward from rank 0's buffers, so
+        # batch-norm running statistics stay one model's rather than drifting apart per rank.
+        if self._sync_between_nodes and torch.is_grad_enabled() and self.world_size > 1:
+            self._broadcast_buffers()
+        if self._root is not None:
+            self._root.units_ran.clear()  # forwards outside training (validation) do not count
+        return super().training_step(*args, **kwargs)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        assert self.lightning_module is not None
+        buffers = [b for b in self.lightning_module.buffers()
+                   if not isinstance(b, DTensor) and (b.is_floating_point() or b.dtype in (torch.int64, torch.int32))]
+        if buffers:
+            _broadcast_flat(buffers, None)
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -373,6 +529,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
         result = closure()
         precision = self.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            return self._scaled_optimizer_step(precision, optimizer, result, model, **kwargs)
         if isinstance(precision, UnscalingPrecision):
             # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
             # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
@@ -386,13 +544,37 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
+    def _scaled_optimizer_step(self, precision: MixedPrecision, optimizer: Optimizer, result: Any,
+                               model: pl.LightningModule | nn.Module | None, **kwargs: Any) -> Any:
+        """Lightning's ``MixedPrecision`` step with its ``GradScaler``, the inter-node average in the middle.
+
+        Unscaling comes first, so PowerSGD and its error feedback see true gradients; a step skipped for a
+        non-finite gradient on any rank still goes through ``scaler.step`` and ``scaler.update``, with the
+        overflow recorded on every rank, so the scale backs off (and later grows) alike everywhere, as under ``ddp``.
+        """
+        model = model or self.lightning_module
+        assert isinstance(model, LightningModule) and precision.scaler is not None
+        if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
+            return result
+        scaler = precision.scaler
+        scaler.unscale_(optimizer)
+        if not self.reduce_gradients():
+            for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                found_inf.fill_(1.0)
+        precision._after_closure(model, optimizer)  # on_before_optimizer_step and clipping, on unscaled gradients
+        output = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return output
+
     def reduce_gradients(self) -> bool:
         """Average every local gradient shard over the replicate axis with PowerSGD; False means skip the step.
 
         Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
         """
         assert self.powersgd is not None and self.lightning_module is not None
+        self._fill_unused_grads()
         if not self._average_replicated():
+            self.powersgd.stats.record_skip()  # so callbacks counting skips (NonFiniteGuard) see this one too
             return False
         replicated = {id(p) for p in self._replicated}
         named = []
@@ -424,6 +606,24 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if self.world_size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return float(worst.item())
+
+    @torch.no_grad()
+    def _fill_unused_grads(self) -> None:
+        """``ddp(find_unused_parameters=True)``: a whole parameter another rank has a gradient for gets zeros here.
+
+        Every rank must then pass the same gradients to the collectives (a branch only some ranks take would
+        otherwise mismatch them); one that no rank used keeps ``grad=None``, so the optimizer leaves it alone,
+        as under ``ddp``. Sharded parameters get the same treatment from FSDP2 (``reduce_scatter_unused_params``).
+        """
+        assert self.lightning_module is not None
+        whole = [p for p in self.lightning_module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if not whole or self.world_size == 1:
+            return
+        flags = torch.tensor([p.grad is not None for p in whole], dtype=torch.float32, device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        for p, used in zip(whole, flags.tolist()):
+            if used and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     @torch.no_grad()
     def _average_replicated(self) -> bool:
@@ -459,10 +659,16 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ state dicts and checkpoints
 
+    @property
+    def _full_checkpoints(self) -> bool:
+        return self.checkpoint_format == "full"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded (DTensor) state dict with the LightningModule's own parameter names."""
+        """The LightningModule's state dict: whole on rank 0 (``checkpoint_format="full"``) or sharded (DTensors)."""
         assert self.lightning_module is not None
+        if self._full_checkpoints:
+            return export_full_state_dict(self.lightning_module)
         return get_model_state_dict(self.lightning_module)
 
     @override
@@ -470,6 +676,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
+        if self._full_checkpoints:  # as ``optimizer.state_dict()`` under ddp, whole on rank 0
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return optimizer_state_by_index(get_optimizer_state_dict(self.lightning_module, optimizer, options=options))
         return get_optimizer_state_dict(self.lightning_module, optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -483,6 +692,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
         assert self.powersgd is not None
         path = self.broadcast(filepath)
+        if self._full_checkpoints:
+            self._save_full(checkpoint, path)
+            return
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
@@ -490,7 +702,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
         for key in extras:
             state[key] = checkpoint.pop(key)
-        checkpoint[SHARDED_EXTRAS_KEY] = extras
+        checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
         state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
         buffers = _own_buffers(self.lightning_module, state["state_dict"])
         checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
@@ -498,10 +710,55 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = pack(buffers)
         save_sharded(path, state, checkpoint)
 
+    def _save_full(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Collective: one file as ``ddp`` writes it (model and optimizers whole, from rank 0), plus each rank's
+        PowerSGD state and buffers in lists by global rank, so a resume on the same mesh continues exactly."""
+        assert self.powersgd is not None
+        extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
+        for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
+            checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
+        checkpoint[SHARDED_EXTRAS_KEY] = extras
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self.powersgd.state_dict()))
+        assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
+        buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
+        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(buffers))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.barrier("save_checkpoint")
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s)."""
         assert self.lightning_module is not None and self.powersgd is not None
         path = self.broadcast(checkpoint_path)
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path)
+        return self._load_full(path, weights_only)
+
+    def _load_full(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
+        module = self.lightning_module
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=False if weights_only is None else weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
+        set_model_state_dict(module, checkpoint["state_dict"], options=options)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        for opt, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            load_optimizer_state(opt, saved)
+        # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
+        powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
+        if optimizers and isinstance(powersgd, list) and len(powersgd) == self.world_size:
+            self.powersgd.load_state_dict(unpack(powersgd[self.global_rank]))
+        if isinstance(buffers, list) and len(buffers) == self.world_size:
+            with torch.no_grad():
+                for name, value in unpack(buffers[self.global_rank]).items():
+                    module.get_buffer(name).copy_(value)
+        params = dict(module.named_parameters())
+        for key in checkpoint.pop(SHARDED_EXTRAS_KEY, []):
+            checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
+        return checkpoint
+
+    def _load_sharded(self, path: _PATH) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
         module = self.lightning_module
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         key = rank_key(POWERSGD_KEY, self.global_rank)
@@ -516,8 +773,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         if saved.get(RANK_BUFFERS_KEY):
             state[buffers_key] = b""
         params = dict(module.named_parameters())
-        for extra in extras:
-            state[extra] = {n: torch.empty_like(p.detach()) for n, p in params.items()}
+        for extra in extras:  # older checkpoints list the keys only, with an entry for every parameter
+            names = extras[extra] if isinstance(extras, dict) else list(params)
+            state[extra] = {n: torch.empty_like(params[n].detach()) for n in names}
         metadata = load_sharded(path, state)
         for extra in extras:
             metadata[extra] = state[extra]
@@ -549,6 +807,10 @@ def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dic
         return {}
     return {n: b.detach().cpu().clone() for n, b in module.named_buffers()
             if n in state_dict and not isinstance(b, DTensor)}
+
+
+def _mark_ran(ran: dict[str, bool], name: str, *_: Any) -> None:
+    ran[name] = True
 
 
 def _holds_dtensors(value: Any) -> bool:

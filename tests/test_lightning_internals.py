@@ -1,10 +1,18 @@
-"""The private Lightning (and torch) names the plugins rely on still exist, each checked by name.
+"""The private names of other libraries the project relies on still exist, each checked by name.
 
-``pyproject.toml`` pins ``lightning`` to the range these plugins were tested with; a newer release may move or
-drop a private helper without notice. Then this file fails first, naming the symbol, instead of a training run
-failing halfway with an ``AttributeError`` deep in a strategy hook. Private imports from ``lightning`` are found
-by reading the plugins' sources, so a new one is checked without being listed here; private attributes and
-methods are listed by hand.
+``pyproject.toml`` pins ``lightning``, ``torch`` and the rest to the ranges they were tested with; a newer release
+may move or drop a private helper without notice. Then this file fails first, naming the symbol, instead of a
+training run failing halfway with an ``AttributeError`` deep in a strategy hook. Two kinds are found by reading
+every source file of the project (``dalle_lightning/``, ``strategies/``, ``callbacks/``, ``benchmarks/``), so a new
+one is checked without being listed here:
+
+* private imports: ``from lightning.fabric.utilities.init import _materialize_meta_tensors``,
+  ``from hydra._internal.utils import get_args_parser``;
+* private attributes of imported modules: ``torch._foreach_norm``, ``wds.filters._shuffle``,
+  ``open_clip.factory._rescan_model_configs``, ``dist.ProcessGroupGloo._Options``.
+
+Private attributes of *instances* (``self._latest_update_step`` inherited from Lightning's EMA callback, a
+``GradScaler``'s per-optimizer state) cannot be told from the project's own by reading, and are listed by hand.
 """
 
 from __future__ import annotations
@@ -15,34 +23,96 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN_DIRS = ("strategies", "callbacks")
+SOURCE_DIRS = ("dalle_lightning", "strategies", "callbacks", "benchmarks")
+# the project's own packages, and the benchmark scripts' sibling modules (``from _peak import ...``)
+OWN_PACKAGES = {"dalle_lightning", "strategies", "callbacks", "tests", "benchmarks"} | {
+    p.stem for p in (ROOT / "benchmarks").glob("*.py")
+}
 
 
-def private_imports(top: str, paths: list[Path]) -> list[tuple[str, str]]:
-    """``(module, name)`` of every ``from <top>... import _name`` in ``paths``."""
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_imports(paths: list[Path]) -> list[tuple[str, str]]:
+    """``(module, name)`` of every import of another package's private module or name in ``paths``."""
     found: set[tuple[str, str]] = set()
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == top:
-                found.update((node.module, a.name) for a in node.names if a.name.startswith("_"))
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] in OWN_PACKAGES:
+                    continue
+                private_module = any(_private(p) for p in node.module.split("."))
+                found.update((node.module, a.name) for a in node.names if private_module or _private(a.name))
     return sorted(found)
 
 
-PLUGIN_SOURCES = sorted(p for folder in PLUGIN_DIRS for p in (ROOT / folder).glob("*.py"))
+def private_attributes(paths: list[Path]) -> list[tuple[str, str]]:
+    """``(module, dotted.attribute)`` of every private attribute reached from an imported module in ``paths``
+    (``torch._foreach_norm``; ``dist.ProcessGroupGloo._Options`` with ``import torch.distributed as dist``)."""
+    found: set[tuple[str, str]] = set()
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:  # ``from torch import distributed as dist``: a module reached by name
+                    aliases.setdefault(a.asname or a.name, f"{node.module}.{a.name}")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            chain: list[str] = []
+            cur: ast.expr = node
+            while isinstance(cur, ast.Attribute):
+                chain.insert(0, cur.attr)
+                cur = cur.value
+            if not isinstance(cur, ast.Name) or cur.id not in aliases or not any(_private(p) for p in chain):
+                continue
+            module = aliases[cur.id]
+            if module.split(".")[0] in OWN_PACKAGES or not _is_module(module):
+                continue
+            last = max(i for i, p in enumerate(chain) if _private(p))
+            found.add((module, ".".join(chain[: last + 1])))
+    # a longer chain is checked part by part anyway: keep the longest of each
+    return sorted(x for x in found if not any(o[0] == x[0] and o[1].startswith(x[1] + ".") for o in found))
 
 
-@pytest.mark.parametrize(("module", "name"), private_imports("lightning", PLUGIN_SOURCES), ids=lambda v: str(v))
-def test_private_lightning_import_exists(module: str, name: str) -> None:
+def _is_module(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+SOURCES = sorted(p for folder in SOURCE_DIRS for p in (ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize(("module", "name"), private_imports(SOURCES), ids=lambda v: str(v))
+def test_private_import_exists(module: str, name: str) -> None:
     assert hasattr(importlib.import_module(module), name), (
-        f"lightning no longer has {module}.{name}, which strategies/ imports; "
-        "pin lightning below this release or replace the helper"
+        f"{module}.{name}, which the project imports, is gone in the installed release; "
+        "pin the package below this release or replace the helper"
     )
+
+
+@pytest.mark.parametrize(("module", "name"), private_attributes(SOURCES), ids=lambda v: str(v))
+def test_private_module_attribute_exists(module: str, name: str) -> None:
+    value: object = importlib.import_module(module)
+    for part in name.split("."):
+        assert hasattr(value, part), f"{module} has no {name} in the installed release; the project relies on it"
+        value = getattr(value, part)
 
 
 def _owner(name: str) -> object:
@@ -53,11 +123,15 @@ def _owner(name: str) -> object:
         "LightningModule": LightningModule,
         "LightningOptimizer": lambda: LightningOptimizer(optimizer),
         "Precision": Precision,
+        "EMAWeightAveraging": EMAWeightAveraging,
+        "GradScaler": lambda: torch.amp.GradScaler("cpu"),
+        "ProcessGroupGloo._Options": dist.ProcessGroupGloo._Options,  # type: ignore[attr-defined]
+        "Module": torch.nn.Module,
     }
     return makers[name]() if name in makers else importlib.import_module(name)
 
 
-# Owner -> private attribute paths the plugins use. Torch is pinned too, but an upgrade should fail here first.
+# Owner -> private attributes of its instances the project uses (module-level ones are found by the scan above).
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # ShardedPowerSGDStrategy.setup_environment: process group, backend, timeout and mesh of the parent class.
     "ModelParallelStrategy": ("_setup_distributed", "_get_process_group_backend", "_timeout", "_device_mesh"),
@@ -65,12 +139,20 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "LightningModule": ("_device_mesh", "_trainer"),
     # The strategy's optimizer state and checkpoints unwrap Lightning's optimizer.
     "LightningOptimizer": ("_optimizer",),
-    # ResblockScalingPrecision.optimizer_step runs Lightning's hooks and clipping on unscaled gradients.
+    # ResblockScalingPrecision.optimizer_step and the strategy's GradScaler step run Lightning's hooks and clipping.
     "Precision": ("_after_closure",),
-    "torch": ("_amp_foreach_non_finite_check_and_unscale_",),  # the precision plugin's fused unscale
-    "torch.distributed": ("ProcessGroupGloo._Options",),  # strategies.mesh: the gloo groups' timeout
-    "torch.distributed._composable": ("checkpoint",),  # shard_module: activation checkpointing
-    "torch.utils._pytree": ("tree_map",),  # strategies.grad_filter
+    # callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters.
+    "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch"),
+    # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
+    "GradScaler": ("_per_optimizer_states",),
+    # strategies.mesh: the gloo groups' collective timeout.
+    "ProcessGroupGloo._Options": ("_timeout",),
+    # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
+    # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients; the gather hook reads which
+    # parameter object a module holds (FSDP2 swaps sharded and gathered ones).
+    "torch.distributed.fsdp": ("FSDPModule._get_fsdp_state",),
+    "torch.distributed.fsdp._fully_shard._fsdp_state": ("FSDPState._register_pre_backward_hook",),
+    "Module": ("_parameters",),
 }
 
 
@@ -84,8 +166,18 @@ def test_private_name_exists(owner: str, name: str) -> None:
         value = getattr(value, part)
 
 
-def test_the_source_scan_finds_private_imports(tmp_path: Path) -> None:
-    """Guards the scan itself: if it missed imports, the parametrized test above would pass vacuously."""
+def test_the_source_scan_finds_private_names(tmp_path: Path) -> None:
+    """Guards the scan itself: if it missed names, the parametrized tests above would pass vacuously."""
     source = tmp_path / "plugin.py"
-    source.write_text("from lightning.fabric.utilities.init import _private, public\nfrom torch import _other\n")
-    assert private_imports("lightning", [source]) == [("lightning.fabric.utilities.init", "_private")]
+    source.write_text(
+        "import torch\nimport torch.distributed as dist\nimport webdataset as wds\n"
+        "from lightning.fabric.utilities.init import _private, public\nfrom hydra._internal.utils import parser\n"
+        "from strategies.mesh import _own\n"
+        "torch._foreach_norm(x)\ndist.ProcessGroupGloo._Options()._timeout = 1\nwds.filters._shuffle(s)\n"
+        "self._mine = torch.zeros(1)\n"
+    )
+    assert private_imports([source]) == [("hydra._internal.utils", "parser"),
+                                         ("lightning.fabric.utilities.init", "_private")]
+    assert private_attributes([source]) == [("torch", "_foreach_norm"),
+                                            ("torch.distributed", "ProcessGroupGloo._Options"),
+                                            ("webdataset", "filters._shuffle")]
