@@ -273,11 +273,16 @@ class PowerSGD:
             approx = p @ q.T
             if self.error_feedback:
                 m.sub_(approx)
-                if not torch.isfinite(m).all():  # the paper's rule: zero a buffer only once it is contaminated
-                    m.zero_()
             g.copy_(approx.view(g.shape))
             if self.warm_start:
                 self._q[name] = q.clone()
+        if self.error_feedback:
+            # The paper's rule: zero a buffer only once it is contaminated. Every buffer's flag is read back in
+            # one host sync for the whole step, not one per buffer.
+            contaminated = torch.stack([torch.isfinite(m).all() for m in mats]).logical_not().tolist()
+            for m, bad in zip(mats, contaminated):
+                if bad:
+                    m.zero_()
         n_factor = sum(p.numel() for p in ps) + sum(q.numel() for q in new_qs)
         return n_factor * torch.finfo(self.comm_dtype).bits // 8
 
