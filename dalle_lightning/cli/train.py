@@ -105,6 +105,9 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         rate = getattr(callback, "updates_per_s", None)
         if isinstance(rate, float):
             metrics["time/updates_per_s"] = rate
+        totals = getattr(callback, "totals", None)  # callbacks.skipped_samples: skipped and converted samples
+        if isinstance(totals, dict):
+            metrics.update(totals)
     divergence = getattr(trainer.strategy, "replica_divergence", None)
     if callable(divergence):  # a strategy that keeps copies of each shard on several nodes checks they agree
         metrics["replica_divergence"] = divergence()

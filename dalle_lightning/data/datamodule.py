@@ -31,8 +31,9 @@ from typing_extensions import override
 
 from dalle_lightning.data.resumable_loader import ResumableLoader
 from dalle_lightning.data.shards import consumer_index, resolve_shards, split_for
-from dalle_lightning.data.skips import SkipCounter, read_shards
-from dalle_lightning.data.transforms import center_square_resize, decode_image, paper_augment, to_tensor
+from dalle_lightning.data.skips import SharedCounts, SkipCounter, read_shards
+from dalle_lightning.data.transforms import (CONVERSIONS, WHITE, background_colour, center_square_resize, decode_image,
+                                             paper_augment, to_tensor)
 
 log = logging.getLogger(__name__)
 
@@ -248,14 +249,23 @@ class ImageTextDataModule(WebDataModule):
     """Image-caption pairs (the shapes world, or img2dataset output with jpg/png + txt).
 
     Batches: {"image": FloatTensor[B,3,S,S] in [0,1], "text": list[str]}. ``augment`` applies the paper's
-    crop-resize-crop (and ``random_flip``) to training images only; validation uses a centre crop.
+    crop-resize-crop (and ``random_flip``) to training images only; validation uses a centre crop. Images are
+    decoded as a viewer shows them (``transforms.decode_image``): transparency composited onto ``background``,
+    EXIF orientation applied, 16-bit greyscale scaled; ``conversion_counts()`` says how many needed each.
     """
 
-    def __init__(self, image_size: int = 64, augment: bool = False, random_flip: bool = False, **kwargs: Any) -> None:
+    def __init__(self, image_size: int = 64, augment: bool = False, random_flip: bool = False,
+                 background: Sequence[int] = WHITE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if image_size <= 0:
             raise ValueError(f"image_size={image_size} must be positive")
         self.image_size, self.augment, self.random_flip = image_size, augment, random_flip
+        self.background = background_colour(background)
+        self.converted = SharedCounts(CONVERSIONS, workers=self.num_workers)
+
+    def conversion_counts(self) -> dict[str, int]:
+        """Decoded images that needed each of ``transforms.CONVERSIONS``, over this process and its loader workers."""
+        return dict(self.converted)
 
     def augment_rng(self, sample: dict[str, Any]) -> random.Random:
         """The draws of one sample's augmentation: a function of (seed, epoch, shard, key), so they are the same
@@ -273,7 +283,7 @@ class ImageTextDataModule(WebDataModule):
         if text is None:
             return None
         try:
-            img = decode_image(data)
+            img = decode_image(data, self.background, self.converted.add)
         except Exception as exc:  # PIL raises many types for corrupt files
             self.skipped.skip("corrupt image", key, type(exc).__name__)
             return None
