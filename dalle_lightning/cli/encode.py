@@ -24,6 +24,7 @@ from dalle_lightning.artifacts import load_artifact, read_record
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
+from dalle_lightning.data.epoch_loader import no_data_message
 from dalle_lightning.data.shards import resolve_shards
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
@@ -60,10 +61,13 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
     tmp.mkdir(parents=True)
     try:
         n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record)
+        report_counts(out_dir.name, reader)
+        if n == 0:  # an empty split must not replace one, nor pass as encoded
+            raise ValueError(no_data_message(f"split {out_dir.name!r} ({shards})", "readable sample", stream.urls,
+                                             reader.skipped.summary))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    report_counts(out_dir.name, reader)
     replace_dir(out_dir, "tokens")
     tmp.rename(out_dir)
     return n

@@ -7,6 +7,7 @@ exactly where it stopped; ``docs/resume.md``). Returns the final metrics, which 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -36,34 +37,43 @@ STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
 def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
-    """Train the BPE on the training captions (the txt members of the image shards)."""
-    from dalle_lightning.data.datamodule import ImageTextDataModule
+    """Train the BPE on the training captions (the txt members of the image shards); unreadable shards and
+    unusable captions are skipped and counted, and no usable caption at all is a one-line error."""
+    from dalle_lightning.data.datamodule import caption_text
+    from dalle_lightning.data.epoch_loader import no_data_message
     from dalle_lightning.data.shards import resolve_shards
+    from dalle_lightning.data.skips import SkipCounter, read_shards
     from dalle_lightning.tokenizer import CaptionTokenizer
-    import webdataset as wds
 
     urls = resolve_shards(cfg.data.train_shards)
     limit = cfg.stage.max_captions
+    skipped = SkipCounter()
+    used = 0
 
     def captions():
-        n = 0
-        for sample in wds.tarfile_samples([{"url": u} for u in urls], handler=wds.warn_and_continue):
-            try:
-                text = sample.get("txt", b"").decode("utf-8").strip()
-            except UnicodeDecodeError:
+        nonlocal used
+        for sample in read_shards(urls, skipped):
+            text = caption_text(sample, skipped, f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}")
+            if text is None:
                 continue
-            if text:
-                yield text
-                n += 1
-                if limit is not None and n >= limit:
-                    return
+            yield text
+            used += 1
+            if limit is not None and used >= limit:
+                return
 
-    del ImageTextDataModule  # only the shards are needed, not the image decoding
-    tok = CaptionTokenizer.train(captions(), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
+    texts = captions()
+    first = next(texts, None)  # no caption at all must fail, not train a BPE of the bare byte alphabet
+    if first is None:
+        raise ValueError(no_data_message("the tokenizer's training data", "caption", urls, skipped.summary))
+    tok = CaptionTokenizer.train(itertools.chain([first], texts), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
                                  min_frequency=cfg.model.min_frequency)
     tok.save(cfg.output)
-    log.info("tokenizer with %d tokens written to %s", tok.vocab_size, cfg.output)
-    return {"vocab_size": tok.vocab_size}
+    log.info("tokenizer with %d tokens written to %s from %d captions", tok.vocab_size, cfg.output, used)
+    counts = {f"data/skipped/{reason.replace(' ', '_')}": float(n) for reason, n in skipped.items() if n}
+    for name, n in counts.items():
+        log.info("%s=%d", name, n)
+    return {"vocab_size": tok.vocab_size, "captions": float(used), "data/skipped_total": float(sum(skipped.values())),
+            **counts}
 
 
 def model_meta(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:

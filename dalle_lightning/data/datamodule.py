@@ -29,6 +29,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from dalle_lightning.data.epoch_loader import NonEmptyLoader
 from dalle_lightning.data.resumable_loader import ResumableLoader
 from dalle_lightning.data.shards import consumer_index, resolve_shards, split_for
 from dalle_lightning.data.skips import SharedCounts, SkipCounter, read_shards
@@ -167,10 +168,11 @@ class WebDataModule(pl.LightningDataModule):
         kwargs: dict[str, Any] = dict(batch_size=self.batch_size, num_workers=self.num_workers,
                                       persistent_workers=False, pin_memory=False,
                                       generator=torch.Generator().manual_seed(self.seed))
-        if train:  # epoch-seeded and resumable; a pass without a single batch is an error, not an endless run
+        # A pass without a single batch is an error (not an endless run, nor a validation loss never measured).
+        if train:  # epoch-seeded and resumable
             return ResumableLoader(dataset, position=self._position, seed=self.seed, shards=dataset.urls,
                                    skipped=self.skipped.summary, **kwargs)
-        return DataLoader(dataset, **kwargs)
+        return NonEmptyLoader(dataset, shards=dataset.urls, skipped=self.skipped.summary, split="validation", **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -229,7 +231,8 @@ class WebDataModule(pl.LightningDataModule):
         return self._loader(self.stream(self.val_shards, 0))
 
 
-def _text(sample: dict[str, Any], skipped: SkipCounter, key: str) -> str | None:
+def caption_text(sample: dict[str, Any], skipped: SkipCounter, key: str) -> str | None:
+    """The sample's caption, stripped; None (skipped and counted) when missing, not UTF-8 or empty."""
     raw = sample.get("txt")
     if raw is None:
         skipped.skip("missing caption", key)
@@ -279,7 +282,7 @@ class ImageTextDataModule(WebDataModule):
         if data is None:
             self.skipped.skip("missing image", key)
             return None
-        text = _text(sample, self.skipped, key)
+        text = caption_text(sample, self.skipped, key)
         if text is None:
             return None
         try:
@@ -348,7 +351,7 @@ class TokenDataModule(WebDataModule):
                                            f"{ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]")
             return None
         if self.tokenizer is not None and self.bpe_dropout:
-            text = _text(sample, self.skipped, key)
+            text = caption_text(sample, self.skipped, key)
             if text is None:
                 return None
             self.tokenizer.set_dropout(self.bpe_dropout)
