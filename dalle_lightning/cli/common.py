@@ -25,11 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dalle_lightning.artifacts import register_resolvers
+from dalle_lightning.cli.run_lock import release_all, run_id
 from strategies.atomic_files import AtomicWriteError
 
 log = logging.getLogger("dalle_lightning")
 
 register_resolvers()
+if not OmegaConf.has_resolver("run_id"):  # run and sweep directory names (cli/run_lock.py)
+    OmegaConf.register_new_resolver("run_id", run_id)
 
 
 def check_keys(cfg: DictConfig, allowed: Iterable[str], where: str = "config") -> None:
@@ -172,6 +175,7 @@ def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[
                     raise
                 fail(_hydra_error_line(exc))
             finally:
+                release_all()  # a run that failed holds its locks no longer (the process may go on: tests)
                 if before is None:
                     os.environ.pop("HYDRA_FULL_ERROR", None)
                 else:
