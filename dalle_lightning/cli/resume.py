@@ -6,6 +6,12 @@ under ``strategy=sharded_powersgd``. ``resume=auto`` takes the newest complete o
 so a run that was itself resumed and then killed again is continued, not its predecessor), skipping, with one line
 saying which, any that is truncated or incomplete (``strategies.checkpoint_io.checkpoint_problem``);
 ``resume=PATH`` names one; ``resume=null`` starts from scratch.
+
+Inside a multirun sweep (``dalle-train -m ... resume=auto``) a job's runs live under the sweep directory
+(``<sweep>/<job>/``), not under ``<paths.runs>/<stage>/``: ``auto`` takes the newest complete checkpoint of the
+sweep's jobs with this job's overrides (``resume=`` aside), its own directory included, since a requeued job (SLURM
+preemption or time limit, ``hydra.launcher.max_num_timeout``) runs again in the very directory it was interrupted
+in. A job with no checkpoint yet (its first start) starts afresh, so one command serves both.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from strategies.checkpoint_io import checkpoint_problem
 
@@ -51,15 +58,37 @@ def newest_complete(run_dirs: Iterable[Path]) -> tuple[Path | None, list[tuple[P
     return None, skipped
 
 
+def sweep_job_runs(sweep_dir: Path, overrides: Iterable[str]) -> list[Path]:
+    """The directories of ``sweep_dir``'s jobs that ran with ``overrides`` (compared without ``resume=...``, as
+    Hydra saved them in ``<job>/.hydra/overrides.yaml``)."""
+    want = _job_key(overrides)
+    jobs = []
+    for job in sweep_dir.glob("*"):
+        saved = job / ".hydra" / "overrides.yaml"
+        if job.is_dir() and saved.is_file():
+            try:
+                if _job_key(OmegaConf.load(saved) or []) == want:
+                    jobs.append(job)
+            except (OSError, OmegaConfBaseException, ValueError):
+                continue  # a job directory Hydra did not finish making
+    return jobs
+
+
+def _job_key(overrides: Iterable[str]) -> tuple[str, ...]:
+    return tuple(sorted(o for o in overrides if not str(o).lstrip("+~").startswith("resume=")))
+
+
 def _skipped(skipped: list[tuple[Path, str]]) -> str:
     return "; ".join(f"{path} ({problem})" for path, problem in skipped)
 
 
-def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None) -> str | None:
+def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
+                      sweep: tuple[Path, list[str]] | None = None) -> str | None:
     """The checkpoint ``cfg.resume`` asks for, as a path for ``Trainer.fit(ckpt_path=...)``; None to start afresh.
 
-    ``run_dir`` (this run's own directory) is never a candidate for ``auto``. Raises a one-line ``ValueError`` or
-    ``FileNotFoundError`` for a value that names no (complete) checkpoint."""
+    ``run_dir`` (this run's own, new directory) is never a candidate for ``auto`` outside a sweep; ``sweep`` (the
+    sweep directory and this job's overrides) makes ``auto`` look at the sweep's jobs with the same overrides.
+    Raises a one-line ``ValueError`` or ``FileNotFoundError`` for a value that names no (complete) checkpoint."""
     value = cfg.get("resume")
     if value is None:
         return None
@@ -69,9 +98,16 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None) -> str | Non
         raise ValueError(f"resume={value} with stage=tokenizer; expected resume=null (the tokenizer trains without "
                          "checkpoints)")
     if value == AUTO:
-        runs = Path(cfg.paths.runs)
-        where = f"{runs / cfg.stage.name}/*/checkpoints/"
-        found, skipped = newest_complete(stage_runs(runs, cfg.stage.name, run_dir))
+        if sweep is not None:
+            where = f"{sweep[0]}/<jobs with this job's overrides>/checkpoints/"
+            found, skipped = newest_complete(sweep_job_runs(*sweep))
+            if found is None and not skipped:
+                log.info("resume=auto: no checkpoint of this sweep job yet in %s; starting afresh", sweep[0])
+                return None
+        else:
+            runs = Path(cfg.paths.runs)
+            where = f"{runs / cfg.stage.name}/*/checkpoints/"
+            found, skipped = newest_complete(stage_runs(runs, cfg.stage.name, run_dir))
         if found is None:
             detail = f" (every one is incomplete: {_skipped(skipped)})" if skipped else ""
             raise FileNotFoundError(f"resume=auto found no complete checkpoint in {where}{detail}; expected an "

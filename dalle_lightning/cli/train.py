@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from callbacks.epoch_end_resume import EpochEndResume
@@ -157,6 +158,14 @@ def _run_dir() -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
 
 
+def _sweep() -> tuple[Path, list[str]] | None:
+    """This job's sweep directory and overrides inside a multirun (None otherwise), where ``resume=auto`` looks."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.sweep.dir), [str(o) for o in hydra_cfg.overrides.task]
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured stage; reuse its artifact when it exists (unless forced or resuming). Returns metrics."""
     check_keys(cfg, TOP_LEVEL_KEYS)
@@ -164,7 +173,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
     checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
-    ckpt_path = resume_checkpoint(cfg, _run_dir())  # a checkpoint that is not there fails now too
+    ckpt_path = resume_checkpoint(cfg, _run_dir(), _sweep())  # a checkpoint that is not there fails now too
     out = Path(cfg.output)
     fresh = cfg.stage.force or ckpt_path is not None or cfg.get("trainer", {}).get("fast_dev_run", False)
     if out.exists() and not fresh:
