@@ -219,7 +219,6 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
-        self._sync_between_nodes = True
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -247,10 +246,6 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), **self._powersgd_kwargs)
-
-    @property
-    def num_nodes_in_mesh(self) -> int:
-        return self.device_mesh.size(0)
 
     # ------------------------------------------------------------------ model setup
 
@@ -354,12 +349,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             yield None
             return
         root.set_requires_gradient_sync(False)
-        self._sync_between_nodes = False
         try:
             yield None
         finally:
             root.set_requires_gradient_sync(True)
-            self._sync_between_nodes = True
 
     @override
     def optimizer_step(
