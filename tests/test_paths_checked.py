@@ -41,6 +41,7 @@ def test_work_dir_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture, ap
 
 @pytest.mark.parametrize("args,named", [
     (["paths.work_dir=/proc/dalle-work"], "paths.work_dir='/proc/dalle-work'"),
+    (["paths.work_dir=/sys/dalle-work"], "paths.work_dir='/sys/dalle-work'; expected a writable location ('/sys': Permission denied)"),  # even root
     (["output={tmp}/afile/dvae.pt"], "output='{tmp}/afile/dvae.pt'"),
     (["-m", "paths.work_dir=/proc/dalle-work", "seed=1,2"], "paths.work_dir='/proc/dalle-work'"),  # a sweep too
 ])
