@@ -25,6 +25,11 @@ from typing import Any
 PARTIAL = ".partial"  # the suffix of temporary files, so that a listing can tell them from finished files
 
 
+class AtomicWriteError(OSError):
+    """A file could not be written (full disk, quota, I/O error): the message names it; the previous file is kept
+    and no temporary file is left. Commands report it in one line."""
+
+
 def temporary_name(path: str | os.PathLike) -> Path:
     """A fresh hidden name beside ``path``, unique to this process and call (``.<name>.<pid>.<random>.partial``)."""
     path = Path(path)

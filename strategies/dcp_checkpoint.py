@@ -2,9 +2,11 @@
 
 Every rank writes its own shards in parallel (no gather of a 12B model on one rank). A checkpoint is a
 directory: the DCP files of the model, optimizer and per-rank state (PowerSGD's Q and error buffers), plus
-``meta.pt`` with the trainer's small metadata (loops, callbacks, schedulers). It is first written to a
-sibling temporary directory and renamed into place by rank 0 only after every rank has finished, so a crash
-never leaves a half-written checkpoint under the final name.
+``meta.pt`` with the trainer's small metadata (loops, callbacks, schedulers), and last the completion marker
+``complete`` (``strategies.checkpoint_io.checkpoint_problem`` rejects a directory without it). It is first
+written to a sibling temporary directory and renamed into place by rank 0 only after every rank has finished, so a
+crash never leaves a half-written checkpoint under the final name; a failed write (a full disk on any rank)
+removes the temporary directory, keeps the previous checkpoint and raises on every rank.
 
 For single-device use, :func:`export_full_state_dict` gathers a live sharded module into one plain state
 dict (a collective), and :func:`checkpoint_to_full_state_dict` reads a saved checkpoint offline, in one
@@ -26,9 +28,10 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from strategies.atomic_files import temporary_name, torch_save
+from strategies.atomic_files import temporary_name, torch_save, write_text
 
 METADATA_FILENAME = "meta.pt"
+COMPLETE_MARKER = "complete"  # written last into the temporary directory, before it is renamed into place
 MODEL_KEY = "state_dict"
 
 
@@ -78,24 +81,48 @@ def save_sharded(path: str | Path, state: dict[str, Any], metadata: dict[str, An
     """
     path = Path(path)
     tmp = _shared_temporary_name(path)
-    old = temporary_name(path)
-    if _rank() == 0:
-        tmp.mkdir(parents=True)
-    _barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    if _rank() == 0:
-        torch_save(metadata, tmp / METADATA_FILENAME)
-    _barrier()  # every rank's shards are on disk before the rename publishes them
-    if _rank() == 0:
-        if path.is_file():
-            path.unlink()
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    try:
+        if _rank() == 0:
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(state, checkpoint_id=tmp)  # collective: a rank's failure raises on every rank
+        error = None
+        if _rank() == 0:
+            try:
+                torch_save(metadata, tmp / METADATA_FILENAME)
+                write_text(tmp / COMPLETE_MARKER, "every rank's shards and the metadata are written\n")
+            except Exception as exc:
+                error = exc
+        if _rank_zero_failed(error is not None):  # every rank's shards are on disk before the rename publishes them
+            raise error if error is not None else OSError(f"rank 0 could not finish checkpoint {str(path)!r}")
+        if _rank() == 0:
+            _publish(tmp, path)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
+
+
+def _rank_zero_failed(failed: bool) -> bool:
+    """Collective: whether rank 0 failed to finish (so that every rank raises, none waits at a barrier)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return failed
+    flag = [failed]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rank 0: put the finished ``tmp`` under ``path``, the previous checkpoint moved aside first and then removed."""
+    old = temporary_name(path)
+    if path.is_file():
+        path.unlink()
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_sharded(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:

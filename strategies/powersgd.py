@@ -83,9 +83,6 @@ class PowerSGDStats:
         """Uncompressed over sent bytes, cumulative over all steps (1.0 before anything was sent)."""
         return self.uncompressed_bytes_total / self.bytes_sent_total if self.bytes_sent_total else 1.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "compression_ratio": self.compression_ratio}
-
     def record_skip(self) -> None:
         """Count a step skipped for a non-finite gradient, found here or by the caller before reducing."""
         self.steps += 1

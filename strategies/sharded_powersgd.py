@@ -285,7 +285,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
-        self._sync_between_nodes = True
+        self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -313,10 +313,6 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), **self._powersgd_kwargs)
-
-    @property
-    def num_nodes_in_mesh(self) -> int:
-        return self.device_mesh.size(0)
 
     # ------------------------------------------------------------------ model setup
 
@@ -492,18 +488,18 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             yield None
             return
         root.set_requires_gradient_sync(False)
-        self._sync_between_nodes = False
+        self._synchronised_step = False
         try:
             yield None
         finally:
             root.set_requires_gradient_sync(True)
-            self._sync_between_nodes = True
+            self._synchronised_step = True
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # As ddp (``broadcast_buffers=True``): every rank starts a synchronised forward from rank 0's buffers, so
         # batch-norm running statistics stay one model's rather than drifting apart per rank.
-        if self._sync_between_nodes and torch.is_grad_enabled() and self.world_size > 1:
+        if self._synchronised_step and torch.is_grad_enabled() and self.world_size > 1:
             self._broadcast_buffers()
         if self._root is not None:
             self._root.units_ran.clear()  # forwards outside training (validation) do not count

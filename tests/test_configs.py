@@ -47,7 +47,8 @@ def work(tiny_artifacts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
     work = tmp_path_factory.mktemp("configs")
     for path in tiny_artifacts.iterdir():
-        shutil.copy(path, work / path.name)
+        if path.is_file():  # not the run directories of tests that ran an app on them first
+            shutil.copy(path, work / path.name)
     clip = {"_target_": "dalle_lightning.models.clip.create"}
     save_model(work / "clip.pt", clip, instantiate(clip))
     return work

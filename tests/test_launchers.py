@@ -26,6 +26,9 @@ def test_two_job_multirun_through_submitit_local(tiny_world: Path, tmp_path: Pat
     for job, vocab in (("0", 300), ("1", 320)):
         assert json.loads((sweep_dir / job / "metrics.json").read_text())["metrics"]["vocab_size"] == vocab
         assert json.loads((sweep_dir / job / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    # Each job held the locks of its own output and directory (one run per output does not serialise a sweep).
+    holders = {json.loads((sweep_dir / job / ".run.lock").read_text())["pid"] for job in ("0", "1")}
+    assert len(holders) == 2 and all((sweep_dir / job / ".tokenizer.json.lock").is_file() for job in ("0", "1"))
     # submitit kept a result per job: the runs went through it, not through Hydra's in-process launcher.
     assert len(list((sweep_dir / ".submitit").glob("*/*_result.pkl"))) == 2
     summary = json.loads((sweep_dir / "summary.json").read_text())

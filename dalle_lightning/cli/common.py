@@ -25,10 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dalle_lightning.artifacts import register_resolvers
+from dalle_lightning.cli.run_lock import release_all, run_id
+from strategies.atomic_files import AtomicWriteError
 
 log = logging.getLogger("dalle_lightning")
 
 register_resolvers()
+if not OmegaConf.has_resolver("run_id"):  # run and sweep directory names (cli/run_lock.py)
+    OmegaConf.register_new_resolver("run_id", run_id)
 
 
 def check_keys(cfg: DictConfig, allowed: Iterable[str], where: str = "config") -> None:
@@ -69,7 +73,8 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
     def wrapper(cfg: DictConfig) -> Any:
         try:
             return main(cfg)
-        except (FileNotFoundError, ValueError, KeyError, FloatingPointError, InstantiationException) as exc:
+        except (FileNotFoundError, ValueError, KeyError, FloatingPointError, InstantiationException,
+                AtomicWriteError) as exc:
             if os.environ.get("DALLE_DEBUG"):
                 raise
             if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
@@ -170,6 +175,7 @@ def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[
                     raise
                 fail(_hydra_error_line(exc))
             finally:
+                release_all()  # a run that failed holds its locks no longer (the process may go on: tests)
                 if before is None:
                     os.environ.pop("HYDRA_FULL_ERROR", None)
                 else:
@@ -188,15 +194,18 @@ def instantiate_dict(nodes: DictConfig | None) -> list[Any]:
 
 
 def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
-    """Trainer kwargs for the strategy and precision groups: a registered name, or a plugin object."""
+    """Trainer kwargs for the strategy and precision groups (a registered name, or a plugin object), and the
+    trainer config's own ``plugins`` (instantiated here, since these kwargs replace the config's list)."""
     kwargs: dict[str, Any] = {}
     strat = cfg.strategy
     kwargs["strategy"] = instantiate(strat) if "_target_" in strat else strat.name
+    plugins = [instantiate(node) for node in (cfg.trainer.get("plugins") or [])]  # the checkpoint writer
     prec = cfg.precision
     if "_target_" in prec:
-        kwargs["plugins"] = [instantiate(prec)]
+        plugins.append(instantiate(prec))
     else:
         kwargs["precision"] = prec.name
+    kwargs["plugins"] = plugins
     return kwargs
 
 

@@ -24,6 +24,7 @@ from dalle_lightning.artifacts import load_artifact, read_record
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
+from dalle_lightning.data.epoch_loader import no_data_message
 from dalle_lightning.data.shards import resolve_shards
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
@@ -42,31 +43,42 @@ def _npy(arr: np.ndarray) -> bytes:
 @torch.no_grad()
 def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str, out_dir: Path, image_size: int,
                  batch_size: int, shard_size: int, bf16: bool = False, num_workers: int = 0,
-                 record: dict[str, Any] | None = None) -> int:
+                 record: dict[str, Any] | None = None, background: Any = (255, 255, 255)) -> int:
     """Encode one split into ``out_dir`` (new, or token shards of an earlier run); returns the samples written.
 
     ``record`` (the dVAE and tokenizer that made the codes) goes into the directory's marker.
 
-    With ``num_workers`` loader processes, PNG decoding overlaps the dVAE's forward passes; each worker then
-    logs the samples it skips (with their keys), but only a single-process run can total them at the end.
+    With ``num_workers`` loader processes, PNG decoding overlaps the dVAE's forward passes; the skipped and
+    converted images are counted in shared memory over the workers and logged at the end as ``key=value`` lines.
     """
-    reader = ImageTextDataModule(image_size=image_size)
+    reader = ImageTextDataModule(image_size=image_size, num_workers=num_workers, background=background)
     keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
-    stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0)
+    stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0,
+                         skipped=reader.skipped)
     loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers)
     claim(out_dir, "tokens")
     tmp = temporary_name(out_dir)  # this run's own name: a second run never writes into or removes it
     tmp.mkdir(parents=True)
     try:
         n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record)
+        report_counts(out_dir.name, reader)
+        if n == 0:  # an empty split must not replace one, nor pass as encoded
+            raise ValueError(no_data_message(f"split {out_dir.name!r} ({shards})", "readable sample", stream.urls,
+                                             reader.skipped.summary))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if reader.skipped:
-        log.warning("skipped %d input samples: %s", sum(reader.skipped.values()), dict(reader.skipped))
     replace_dir(out_dir, "tokens")
     tmp.rename(out_dir)
     return n
+
+
+def report_counts(split: str, reader: ImageTextDataModule) -> None:
+    """The split's skipped and converted images as ``key=value`` lines (``skipped/corrupt_image=3``)."""
+    for group, counts in (("skipped", reader.skip_counts()), ("converted", reader.conversion_counts())):
+        for name, n in counts.items():
+            if n:
+                log.info("%s: %s/%s=%d", split, group, name.replace(" ", "_"), n)
 
 
 def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: torch.utils.data.DataLoader,
@@ -90,7 +102,7 @@ def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: to
 
 
 def run(cfg: DictConfig) -> dict[str, int]:
-    check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "splits", "out_dir", "shard_size",
+    check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "background", "splits", "out_dir", "shard_size",
                      "batch_size", "bf16", "num_workers", "force", "verbose"})
     checks.input_file(cfg, "dvae", "a trained dVAE (dalle-train stage=dvae)")
     checks.input_file(cfg, "tokenizer", "a tokenizer.json (dalle-train stage=tokenizer)")
@@ -115,7 +127,8 @@ def run(cfg: DictConfig) -> dict[str, int]:
     counts = {}
     for split, shards in cfg.splits.items():
         counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
-                                     cfg.shard_size, bf16=cfg.bf16, num_workers=cfg.num_workers, record=record)
+                                     cfg.shard_size, bf16=cfg.bf16, num_workers=cfg.num_workers, record=record,
+                                     background=list(cfg.background))
         log.info("%s: %d samples -> %s", split, counts[split], out / split)
     if tokenizer.truncated:
         log.warning("%d captions were longer than text_len=%d and truncated", tokenizer.truncated, cfg.text_len)

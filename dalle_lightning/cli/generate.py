@@ -35,7 +35,12 @@ def read_prompts(cfg: DictConfig) -> list[str]:
         path = Path(cfg.prompts_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompts_file {str(path)!r} does not exist; expected a text file, one prompt per line")
-        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"prompts_file {str(path)!r} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                             "expected a UTF-8 text file, one prompt per line") from None
+        return [line.strip() for line in text.splitlines() if line.strip()]
     prompts = cfg.prompts
     return [prompts] if isinstance(prompts, str) else list(prompts)
 

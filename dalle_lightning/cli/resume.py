@@ -1,33 +1,94 @@
 """Which checkpoint ``dalle-train resume=...`` continues from.
 
-Every training run keeps ``checkpoints/last.ckpt`` in its Hydra run directory (``<paths.runs>/<stage>/<time>/``):
-a file single-process, a sharded directory under ``strategy=sharded_powersgd``. ``resume=auto`` picks the newest
-of the stage's (the last one written, so a run that was itself resumed and then killed again is continued, not
-its predecessor); ``resume=PATH`` names one; ``resume=null`` starts from scratch.
+Every training run keeps its checkpoints in ``checkpoints/`` of its Hydra run directory
+(``<paths.runs>/<stage>/<time>/``): ``last.ckpt`` and the periodic ones, files single-process, sharded directories
+under ``strategy=sharded_powersgd``. ``resume=auto`` takes the newest complete one of the stage (the last written,
+so a run that was itself resumed and then killed again is continued, not its predecessor), skipping, with one line
+saying which, any that is truncated or incomplete (``strategies.checkpoint_io.checkpoint_problem``);
+``resume=PATH`` names one; ``resume=null`` starts from scratch.
+
+Inside a multirun sweep (``dalle-train -m ... resume=auto``) a job's runs live under the sweep directory
+(``<sweep>/<job>/``), not under ``<paths.runs>/<stage>/``: ``auto`` takes the newest complete checkpoint of the
+sweep's jobs with this job's overrides (``resume=`` aside), its own directory included, since a requeued job (SLURM
+preemption or time limit, ``hydra.launcher.max_num_timeout``) runs again in the very directory it was interrupted
+in. A job with no checkpoint yet (its first start) starts afresh, so one command serves both.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from strategies.checkpoint_io import checkpoint_problem
+
+log = logging.getLogger("dalle_lightning.train")
 
 AUTO = "auto"
 LAST = "last.ckpt"
 
 
+def checkpoints_in(run_dirs: Iterable[Path]) -> list[Path]:
+    """Every checkpoint (``checkpoints/*.ckpt``, not a temporary one) of ``run_dirs``, newest first."""
+    found = [p for run in run_dirs for p in (run / "checkpoints").glob("*.ckpt") if not p.name.startswith(".")]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def newest_checkpoint(runs: Path, stage: str, exclude: Path | None = None) -> Path | None:
-    """The most recently written ``<runs>/<stage>/*/checkpoints/last.ckpt`` (not under ``exclude``), or None."""
-    found = [p for p in (runs / stage).glob(f"*/checkpoints/{LAST}")
-             if exclude is None or exclude.resolve() not in p.resolve().parents]
-    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+    """The most recently written complete checkpoint of ``<runs>/<stage>/*/`` (not under ``exclude``), or None."""
+    return newest_complete(stage_runs(runs, stage, exclude))[0]
 
 
-def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None) -> str | None:
+def stage_runs(runs: Path, stage: str, exclude: Path | None = None) -> list[Path]:
+    """The run directories of ``stage`` under ``runs`` (without ``exclude``, this run's own new directory)."""
+    return [d for d in (runs / stage).glob("*") if d.is_dir() and (exclude is None or d.resolve() != exclude.resolve())]
+
+
+def newest_complete(run_dirs: Iterable[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of ``run_dirs`` (None if none) and the newer ones skipped, with why."""
+    skipped = []
+    for path in checkpoints_in(run_dirs):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def sweep_job_runs(sweep_dir: Path, overrides: Iterable[str]) -> list[Path]:
+    """The directories of ``sweep_dir``'s jobs that ran with ``overrides`` (compared without ``resume=...``, as
+    Hydra saved them in ``<job>/.hydra/overrides.yaml``)."""
+    want = _job_key(overrides)
+    jobs = []
+    for job in sweep_dir.glob("*"):
+        saved = job / ".hydra" / "overrides.yaml"
+        if job.is_dir() and saved.is_file():
+            try:
+                if _job_key(OmegaConf.load(saved) or []) == want:
+                    jobs.append(job)
+            except (OSError, OmegaConfBaseException, ValueError):
+                continue  # a job directory Hydra did not finish making
+    return jobs
+
+
+def _job_key(overrides: Iterable[str]) -> tuple[str, ...]:
+    return tuple(sorted(o for o in overrides if not str(o).lstrip("+~").startswith("resume=")))
+
+
+def _skipped(skipped: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{path} ({problem})" for path, problem in skipped)
+
+
+def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
+                      sweep: tuple[Path, list[str]] | None = None) -> str | None:
     """The checkpoint ``cfg.resume`` asks for, as a path for ``Trainer.fit(ckpt_path=...)``; None to start afresh.
 
-    ``run_dir`` (this run's own directory) is never a candidate for ``auto``. Raises a one-line ``ValueError`` or
-    ``FileNotFoundError`` for a value that names no checkpoint."""
+    ``run_dir`` (this run's own, new directory) is never a candidate for ``auto`` outside a sweep; ``sweep`` (the
+    sweep directory and this job's overrides) makes ``auto`` look at the sweep's jobs with the same overrides.
+    Raises a one-line ``ValueError`` or ``FileNotFoundError`` for a value that names no (complete) checkpoint."""
     value = cfg.get("resume")
     if value is None:
         return None
@@ -37,14 +98,28 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None) -> str | Non
         raise ValueError(f"resume={value} with stage=tokenizer; expected resume=null (the tokenizer trains without "
                          "checkpoints)")
     if value == AUTO:
-        runs = Path(cfg.paths.runs)
-        found = newest_checkpoint(runs, cfg.stage.name, run_dir)
+        if sweep is not None:
+            where = f"{sweep[0]}/<jobs with this job's overrides>/checkpoints/"
+            found, skipped = newest_complete(sweep_job_runs(*sweep))
+            if found is None and not skipped:
+                log.info("resume=auto: no checkpoint of this sweep job yet in %s; starting afresh", sweep[0])
+                return None
+        else:
+            runs = Path(cfg.paths.runs)
+            where = f"{runs / cfg.stage.name}/*/checkpoints/"
+            found, skipped = newest_complete(stage_runs(runs, cfg.stage.name, run_dir))
         if found is None:
-            raise FileNotFoundError(f"resume=auto found no checkpoint {runs / cfg.stage.name}/*/checkpoints/{LAST}; "
-                                    f"expected an earlier {cfg.stage.name} run of this work_dir, or resume=PATH")
+            detail = f" (every one is incomplete: {_skipped(skipped)})" if skipped else ""
+            raise FileNotFoundError(f"resume=auto found no complete checkpoint in {where}{detail}; expected an "
+                                    f"earlier {cfg.stage.name} run of this work_dir, or resume=PATH")
+        if skipped:
+            log.warning("resume=auto: skipped %s; resuming from %s", _skipped(skipped), found)
         return str(found)
     path = Path(value)
     if not path.exists():
         raise FileNotFoundError(f"resume={value}: no such checkpoint; expected a checkpoint file or sharded "
                                 f"checkpoint directory (<run>/checkpoints/{LAST}), or resume=auto")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"resume={value}: {problem}; expected a complete checkpoint (resume=auto skips incomplete ones)")
     return str(path)

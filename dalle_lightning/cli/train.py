@@ -7,6 +7,7 @@ exactly where it stopped; ``docs/resume.md``). Returns the final metrics, which 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from callbacks.epoch_end_resume import EpochEndResume
@@ -36,34 +38,43 @@ STAGES = ("tokenizer", "dvae", "clip", "prior")
 
 
 def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
-    """Train the BPE on the training captions (the txt members of the image shards)."""
-    from dalle_lightning.data.datamodule import ImageTextDataModule
+    """Train the BPE on the training captions (the txt members of the image shards); unreadable shards and
+    unusable captions are skipped and counted, and no usable caption at all is a one-line error."""
+    from dalle_lightning.data.datamodule import caption_text
+    from dalle_lightning.data.epoch_loader import no_data_message
     from dalle_lightning.data.shards import resolve_shards
+    from dalle_lightning.data.skips import SkipCounter, read_shards
     from dalle_lightning.tokenizer import CaptionTokenizer
-    import webdataset as wds
 
     urls = resolve_shards(cfg.data.train_shards)
     limit = cfg.stage.max_captions
+    skipped = SkipCounter()
+    used = 0
 
     def captions():
-        n = 0
-        for sample in wds.tarfile_samples([{"url": u} for u in urls], handler=wds.warn_and_continue):
-            try:
-                text = sample.get("txt", b"").decode("utf-8").strip()
-            except UnicodeDecodeError:
+        nonlocal used
+        for sample in read_shards(urls, skipped):
+            text = caption_text(sample, skipped, f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}")
+            if text is None:
                 continue
-            if text:
-                yield text
-                n += 1
-                if limit is not None and n >= limit:
-                    return
+            yield text
+            used += 1
+            if limit is not None and used >= limit:
+                return
 
-    del ImageTextDataModule  # only the shards are needed, not the image decoding
-    tok = CaptionTokenizer.train(captions(), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
+    texts = captions()
+    first = next(texts, None)  # no caption at all must fail, not train a BPE of the bare byte alphabet
+    if first is None:
+        raise ValueError(no_data_message("the tokenizer's training data", "caption", urls, skipped.summary))
+    tok = CaptionTokenizer.train(itertools.chain([first], texts), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
                                  min_frequency=cfg.model.min_frequency)
     tok.save(cfg.output)
-    log.info("tokenizer with %d tokens written to %s", tok.vocab_size, cfg.output)
-    return {"vocab_size": tok.vocab_size}
+    log.info("tokenizer with %d tokens written to %s from %d captions", tok.vocab_size, cfg.output, used)
+    counts = {f"data/skipped/{reason.replace(' ', '_')}": float(n) for reason, n in skipped.items() if n}
+    for name, n in counts.items():
+        log.info("%s=%d", name, n)
+    return {"vocab_size": tok.vocab_size, "captions": float(used), "data/skipped_total": float(sum(skipped.values())),
+            **counts}
 
 
 def model_meta(cfg: DictConfig, model: torch.nn.Module) -> dict[str, Any]:
@@ -105,6 +116,9 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         rate = getattr(callback, "updates_per_s", None)
         if isinstance(rate, float):
             metrics["time/updates_per_s"] = rate
+        totals = getattr(callback, "totals", None)  # callbacks.skipped_samples: skipped and converted samples
+        if isinstance(totals, dict):
+            metrics.update(totals)
     divergence = getattr(trainer.strategy, "replica_divergence", None)
     if callable(divergence):  # a strategy that keeps copies of each shard on several nodes checks they agree
         metrics["replica_divergence"] = divergence()
@@ -144,6 +158,14 @@ def _run_dir() -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
 
 
+def _sweep() -> tuple[Path, list[str]] | None:
+    """This job's sweep directory and overrides inside a multirun (None otherwise), where ``resume=auto`` looks."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.sweep.dir), [str(o) for o in hydra_cfg.overrides.task]
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured stage; reuse its artifact when it exists (unless forced or resuming). Returns metrics."""
     check_keys(cfg, TOP_LEVEL_KEYS)
@@ -151,7 +173,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
     checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
-    ckpt_path = resume_checkpoint(cfg, _run_dir())  # a checkpoint that is not there fails now too
+    ckpt_path = resume_checkpoint(cfg, _run_dir(), _sweep())  # a checkpoint that is not there fails now too
     out = Path(cfg.output)
     fresh = cfg.stage.force or ckpt_path is not None or cfg.get("trainer", {}).get("fast_dev_run", False)
     if out.exists() and not fresh:

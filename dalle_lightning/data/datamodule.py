@@ -29,10 +29,12 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from dalle_lightning.data.epoch_loader import NonEmptyLoader
 from dalle_lightning.data.resumable_loader import ResumableLoader
 from dalle_lightning.data.shards import consumer_index, resolve_shards, split_for
-from dalle_lightning.data.skips import SkipCounter, read_shards
-from dalle_lightning.data.transforms import center_square_resize, decode_image, paper_augment, to_tensor
+from dalle_lightning.data.skips import SharedCounts, SkipCounter, read_shards
+from dalle_lightning.data.transforms import (CONVERSIONS, WHITE, background_colour, center_square_resize, decode_image,
+                                             paper_augment, to_tensor)
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +168,11 @@ class WebDataModule(pl.LightningDataModule):
         kwargs: dict[str, Any] = dict(batch_size=self.batch_size, num_workers=self.num_workers,
                                       persistent_workers=False, pin_memory=False,
                                       generator=torch.Generator().manual_seed(self.seed))
-        if train:  # epoch-seeded and resumable; a pass without a single batch is an error, not an endless run
+        # A pass without a single batch is an error (not an endless run, nor a validation loss never measured).
+        if train:  # epoch-seeded and resumable
             return ResumableLoader(dataset, position=self._position, seed=self.seed, shards=dataset.urls,
                                    skipped=self.skipped.summary, **kwargs)
-        return DataLoader(dataset, **kwargs)
+        return NonEmptyLoader(dataset, shards=dataset.urls, skipped=self.skipped.summary, split="validation", **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -228,7 +231,8 @@ class WebDataModule(pl.LightningDataModule):
         return self._loader(self.stream(self.val_shards, 0))
 
 
-def _text(sample: dict[str, Any], skipped: SkipCounter, key: str) -> str | None:
+def caption_text(sample: dict[str, Any], skipped: SkipCounter, key: str) -> str | None:
+    """The sample's caption, stripped; None (skipped and counted) when missing, not UTF-8 or empty."""
     raw = sample.get("txt")
     if raw is None:
         skipped.skip("missing caption", key)
@@ -248,14 +252,23 @@ class ImageTextDataModule(WebDataModule):
     """Image-caption pairs (the shapes world, or img2dataset output with jpg/png + txt).
 
     Batches: {"image": FloatTensor[B,3,S,S] in [0,1], "text": list[str]}. ``augment`` applies the paper's
-    crop-resize-crop (and ``random_flip``) to training images only; validation uses a centre crop.
+    crop-resize-crop (and ``random_flip``) to training images only; validation uses a centre crop. Images are
+    decoded as a viewer shows them (``transforms.decode_image``): transparency composited onto ``background``,
+    EXIF orientation applied, 16-bit greyscale scaled; ``conversion_counts()`` says how many needed each.
     """
 
-    def __init__(self, image_size: int = 64, augment: bool = False, random_flip: bool = False, **kwargs: Any) -> None:
+    def __init__(self, image_size: int = 64, augment: bool = False, random_flip: bool = False,
+                 background: Sequence[int] = WHITE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if image_size <= 0:
             raise ValueError(f"image_size={image_size} must be positive")
         self.image_size, self.augment, self.random_flip = image_size, augment, random_flip
+        self.background = background_colour(background)
+        self.converted = SharedCounts(CONVERSIONS, workers=self.num_workers)
+
+    def conversion_counts(self) -> dict[str, int]:
+        """Decoded images that needed each of ``transforms.CONVERSIONS``, over this process and its loader workers."""
+        return dict(self.converted)
 
     def augment_rng(self, sample: dict[str, Any]) -> random.Random:
         """The draws of one sample's augmentation: a function of (seed, epoch, shard, key), so they are the same
@@ -269,11 +282,11 @@ class ImageTextDataModule(WebDataModule):
         if data is None:
             self.skipped.skip("missing image", key)
             return None
-        text = _text(sample, self.skipped, key)
+        text = caption_text(sample, self.skipped, key)
         if text is None:
             return None
         try:
-            img = decode_image(data)
+            img = decode_image(data, self.background, self.converted.add)
         except Exception as exc:  # PIL raises many types for corrupt files
             self.skipped.skip("corrupt image", key, type(exc).__name__)
             return None
@@ -338,7 +351,7 @@ class TokenDataModule(WebDataModule):
                                            f"{ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]")
             return None
         if self.tokenizer is not None and self.bpe_dropout:
-            text = _text(sample, self.skipped, key)
+            text = caption_text(sample, self.skipped, key)
             if text is None:
                 return None
             self.tokenizer.set_dropout(self.bpe_dropout)

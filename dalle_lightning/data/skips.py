@@ -37,35 +37,48 @@ REASONS = (
 TAR_BLOCK = 512
 
 
-class SkipCounter(Mapping[str, int]):
-    """Skipped samples by reason (every reason of ``REASONS``, 0 when none), summed over loader workers."""
+class SharedCounts(Mapping[str, int]):
+    """Counts by name (every one of ``names``, 0 when none), summed over loader workers: one shared-memory row per
+    process (the main one, then each worker), so a worker's counts outlive it."""
 
-    def __init__(self, workers: int = 0) -> None:
+    def __init__(self, names: tuple[str, ...], workers: int = 0) -> None:
+        self.names = names
         # One row per process; with more workers than rows, rows are shared and a simultaneous increment may be lost.
-        self._counts = torch.zeros(workers + 1, len(REASONS), dtype=torch.int64).share_memory_()
+        self._counts = torch.zeros(workers + 1, len(names), dtype=torch.int64).share_memory_()
 
-    def skip(self, reason: str, key: str, detail: str = "") -> None:
-        """Count one skipped sample (or shard) and log it with its key, so the bad data can be found."""
+    def add(self, name: str) -> None:
+        """Count one ``name`` in this process's (or loader worker's) row."""
         info = torch.utils.data.get_worker_info()
         row = (info.id + 1 if info is not None else 0) % self._counts.shape[0]
-        self._counts[row, REASONS.index(reason)] += 1
-        log.warning("skipped %s: %s%s (%d skipped for this reason so far)", key, reason,
-                    f" ({detail})" if detail else "", self[reason])
+        self._counts[row, self.names.index(name)] += 1
 
-    def __getitem__(self, reason: str) -> int:
-        if reason not in REASONS:
-            raise KeyError(reason)
-        return int(self._counts[:, REASONS.index(reason)].sum())
+    def __getitem__(self, name: str) -> int:
+        if name not in self.names:
+            raise KeyError(name)
+        return int(self._counts[:, self.names.index(name)].sum())
 
     def __iter__(self) -> Iterator[str]:
-        return iter(REASONS)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(REASONS)
+        return len(self.names)
 
     def summary(self) -> str:
         """The non-zero counts, for messages: ``"unreadable shard: 4, corrupt image: 1"`` (or ``"none"``)."""
-        return ", ".join(f"{reason}: {n}" for reason, n in self.items() if n) or "none"
+        return ", ".join(f"{name}: {n}" for name, n in self.items() if n) or "none"
+
+
+class SkipCounter(SharedCounts):
+    """Skipped samples by reason (every reason of ``REASONS``, 0 when none), summed over loader workers."""
+
+    def __init__(self, workers: int = 0) -> None:
+        super().__init__(REASONS, workers)
+
+    def skip(self, reason: str, key: str, detail: str = "") -> None:
+        """Count one skipped sample (or shard) and log it with its key, so the bad data can be found."""
+        self.add(reason)
+        log.warning("skipped %s: %s%s (%d skipped for this reason so far)", key, reason,
+                    f" ({detail})" if detail else "", self[reason])
 
 
 def truncated(url: str) -> bool:

@@ -1,20 +1,87 @@
-"""Image decoding and the paper's augmentation, scaled to the configured image size."""
+"""Image decoding as a person sees the image, and the paper's augmentation, scaled to the configured image size."""
 
 from __future__ import annotations
 
 import io
 import random
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
+
+WHITE = (255, 255, 255)
+# What decode_image may have to do to an image to show it as a viewer would; each stage counts them (a share of
+# images that needed one is worth knowing: transparent logos trained on a white background, phone photos turned).
+CONVERSIONS = (
+    "transparency",       # alpha (RGBA, LA, WebP) or a transparent palette index composited onto the background
+    "exif orientation",   # turned or mirrored as the EXIF orientation tag says (phone photos)
+    "16-bit",             # 16-bit greyscale (I;16) scaled to 8 bits, not clipped
+    "cmyk",               # CMYK (print JPEGs) to RGB
+    "greyscale",          # one-channel images repeated into RGB
+    "palette",            # palette (GIF, 8-bit PNG) expanded to RGB
+    "animation",          # an animated GIF or WebP: its first frame
+)
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
-def decode_image(data: bytes) -> Image.Image:
-    """Decode PNG/JPEG/WebP bytes to RGB; raises on corrupt data (the caller skips and counts it)."""
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(0x0112, 1) or 1)
+    except Exception:  # a malformed EXIF block: shown unturned, as viewers do
+        return 1
+
+
+def background_colour(background: Sequence[int]) -> tuple[int, int, int]:
+    """``background`` as an RGB triple; a bad value is one line naming it."""
+    ok = not isinstance(background, (str, bytes)) and isinstance(background, Sequence) and len(background) == 3
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in background)
+    if not ok:
+        shown = list(background) if isinstance(background, Sequence) and not isinstance(background, str) else background
+        raise ValueError(f"data.background={shown!r}; expected three integers in [0, 255] (R, G, B), e.g. [255, 255, 255]")
+    return tuple(background)  # type: ignore[return-value]
+
+
+def decode_image(data: bytes, background: Sequence[int] = WHITE,
+                 converted: Callable[[str], None] | None = None) -> Image.Image:
+    """Decode PNG/JPEG/WebP/GIF bytes to the RGB image a viewer shows (no resize); raises on corrupt data (the
+    caller skips and counts it).
+
+    ``convert("RGB")`` alone shows the colour hidden under transparent pixels (often black), trains a phone photo
+    sideways and clips 16-bit greyscale to white. Here transparency is composited onto ``background``, the EXIF
+    orientation is applied, and ``I;16`` is scaled to 8 bits. ``converted`` is called with each of
+    ``CONVERSIONS`` the image needed.
+    """
+    note = converted or (lambda name: None)
+    fill = background_colour(background)
     with Image.open(io.BytesIO(data)) as img:
+        if getattr(img, "n_frames", 1) > 1:
+            note("animation")  # Image.open is positioned on the first frame
         img.load()
-        return img.convert("RGB")
+        if _orientation(img) != 1:
+            note("exif orientation")
+            img = ImageOps.exif_transpose(img)
+        else:
+            img = img.copy()
+    mode = img.mode
+    if mode in SIXTEEN_BIT:
+        note("16-bit")
+        values = np.asarray(img, dtype=np.float64)
+        return Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8)).convert("RGB")
+    if mode == "CMYK":
+        note("cmyk")
+    elif mode in ("L", "1", "LA", "La"):
+        note("greyscale")
+    elif mode in ("P", "PA"):
+        note("palette")
+    if "A" in mode or "a" in mode or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        if rgba.getextrema()[3][0] < 255:
+            note("transparency")
+            canvas = Image.new("RGBA", rgba.size, fill + (255,))
+            return Image.alpha_composite(canvas, rgba).convert("RGB")
+        return rgba.convert("RGB")
+    return img.convert("RGB")
 
 
 def center_square_resize(img: Image.Image, size: int) -> Image.Image:

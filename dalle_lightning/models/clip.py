@@ -18,8 +18,11 @@ that ``open_clip.create_model("local-dir:<dir>")`` reads directly.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import tempfile
+from collections.abc import Iterator
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from typing import Any
 import open_clip
 import torch
 from torch import nn
+from typing_extensions import override
 
 from strategies.atomic_files import torch_save, write_json
 
@@ -99,13 +103,32 @@ def create(
             f"open_clip weights file not found: {str(pretrained)!r}; expected a local file (pretrained tags are never downloaded)"
         )
     pretrained_arg = None if pretrained is None else str(pretrained)
-    if str(device) == "meta":
-        with torch.device("meta"):
-            model = open_clip.create_model(name, pretrained=pretrained_arg, device="meta", pretrained_text=False)
-    else:
-        model = open_clip.create_model(name, pretrained=pretrained_arg, device=device, pretrained_text=False)
+    with contextlib.ExitStack() as stack:
+        if pretrained is None:  # weights come from our own checkpoint (or training): not a warning, every load
+            stack.enter_context(_without_random_init_warning())
+        if str(device) == "meta":
+            stack.enter_context(torch.device("meta"))
+        model = open_clip.create_model(name, pretrained=pretrained_arg, device=str(device), pretrained_text=False)
     model.open_clip_spec = {"name": name, "model_cfg": cfg, "preprocess_cfg": dict(model.visual.preprocess_cfg)}
     return model
+
+
+class _RandomInitFilter(logging.Filter):
+    """Drops open_clip's "No pretrained weights loaded ... initialized randomly" (logged on the root logger)."""
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No pretrained weights loaded")
+
+
+@contextlib.contextmanager
+def _without_random_init_warning() -> Iterator[None]:
+    root, quiet = logging.getLogger(), _RandomInitFilter()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
 
 
 def spec_of(model: nn.Module) -> dict[str, Any]:

@@ -1,1 +1,0 @@
-"""Reusable Lightning callbacks (schedules, image grids, FID). Never imports ``dalle_lightning``."""
