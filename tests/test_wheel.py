@@ -55,3 +55,8 @@ def test_wheel_installs_and_its_console_scripts_run_outside_the_source_tree(tmp_
     assert sorted(p.name for p in (run_dir / "world" / "train").glob("*.tar")) == ["000000.tar", "000001.tar"]
     _run(bin_dir / "dalle-train", "stage=dvae", "paths.work_dir=.", "trainer.fast_dev_run=true", "model.n_hid=8",
          "model.vocab_size=32", "model.codebook_dim=16", "data.batch_size=8", "hydra.run.dir=runs/dvae", cwd=run_dir)
+    job = _run(bin_dir / "dalle-train", "--cfg", "job", "stage=prior", cwd=run_dir).stdout
+    assert "stage:" in job and "name: prior" in job  # the configs come from the wheel's dalle_lightning/conf
+    _run(bin_dir / "dalle-train", "stage=tokenizer", "paths.work_dir=.", "stage.max_captions=2",
+         "model.vocab_size=260", "hydra.run.dir=runs/tokenizer", cwd=run_dir)
+    assert (run_dir / "tokenizer.json").is_file()
