@@ -50,7 +50,10 @@ class FSQVAE(DiscreteVAE):
         super().__init__(image_size, len(levels), n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps)
         self.levels = levels
         self.vocab_size = math.prod(levels)
-        self.quantizer = FSQ(levels)
+        # The library reads its level table back (.item()) while building, so it is built on the CPU even when the
+        # network is built on the meta device; its buffers are a few hundred numbers, not parameters.
+        with torch.device("cpu"):
+            self.quantizer = FSQ(levels)
 
     def quantize(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [B, d, h, w] -> (codes in [-1, 1] with straight-through gradients [B, d, h, w], indices [B, h, w]).
