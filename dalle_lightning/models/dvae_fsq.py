@@ -42,7 +42,10 @@ class FSQVAE(DiscreteVAE):
         codebook_dim: int = 128,
         channels: int = 3,
         eps: float = LOGIT_LAPLACE_EPS,
+        latent_penalty: float = 0.0,
     ) -> None:
+        if latent_penalty < 0:
+            raise ValueError(f"latent_penalty={latent_penalty} is negative; expected a weight >= 0")
         levels = [int(level) for level in levels]
         if not levels or any(level < 3 for level in levels):
             raise ValueError(f"levels={levels}; expected one or more quantization levels per channel, each >= 3")
@@ -50,6 +53,7 @@ class FSQVAE(DiscreteVAE):
         super().__init__(image_size, len(levels), n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps)
         self.levels = levels
         self.vocab_size = math.prod(levels)
+        self.latent_penalty = float(latent_penalty)
         # The library reads its level table back (.item()) while building, so it is built on the CPU even when the
         # network is built on the meta device; its buffers are a few hundred numbers, not parameters.
         with torch.device("cpu"):
@@ -75,9 +79,16 @@ class FSQVAE(DiscreteVAE):
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Negative log-likelihood per pixel value of the image under the decoder of its hard codes (no KL term,
-        no temperature: the code is a deterministic function of the image). Returns loss, recon_loss, ``indices`` [B, h, w] and the reconstruction ``recon``.
+        no temperature: the code is a deterministic function of the image), plus ``latent_penalty`` times the mean
+        squared latent before the bound. Returns loss, recon_loss, latent_l2, ``indices`` [B, h, w] and the
+        reconstruction ``recon``.
         """
-        codes, indices = self.quantize(self.encode(images))
+        latents = self.encode(images)
+        codes, indices = self.quantize(latents)
         stats = self.decoder(codes).float()
         recon_loss = self.logit_laplace_nll(stats, images)
-        return dict(loss=recon_loss, recon_loss=recon_loss, indices=indices, recon=self.stats_to_images(stats).detach())
+        # Mean squared latent before the tanh bound: without it a channel can drift far out on tanh's flat tail
+        # (Adam's steps keep their size as the gradient vanishes) and stay there, one level forever.
+        latent_l2 = latents.pow(2).mean()
+        return dict(loss=recon_loss + self.latent_penalty * latent_l2, recon_loss=recon_loss, latent_l2=latent_l2.detach(),
+                    indices=indices, recon=self.stats_to_images(stats).detach())
