@@ -20,7 +20,7 @@ N_TRAIN, N_VAL = 40, 16
 STEPS = 12
 
 STAGES = {
-    "dvae": ["stage=dvae", "model.n_hid=8", "model.levels=[4,4,3]", "model.codebook_dim=16", "~callbacks.recon_grid",
+    "dvae": ["stage=dvae", "model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16", "~callbacks.recon_grid",
              "callbacks.ema.update_starting_at_step=4", "callbacks.kl_weight.steps=5"],
     "clip": ["stage=clip"],  # reconstructions by the pipeline's dVAE, hard negatives: both draw at random
     "prior": ["stage=prior", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "module.caption_dropout=0.5",

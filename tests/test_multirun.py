@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from dalle_lightning.cli import sweep_summary
 from tests.conftest import CONF, run_app
 
-TINY_DVAE = ["model.n_hid=8", "model.levels=[4,4,3]", "model.codebook_dim=16", "data.batch_size=8", "data.num_workers=0",
+TINY_DVAE = ["model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16", "data.batch_size=8", "data.num_workers=0",
              "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=csv"]
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import run_app
 
-TINY_DVAE = ["model.n_hid=8", "model.levels=[4,4,3]", "model.codebook_dim=16", "data.batch_size=8", "data.num_workers=0"]
+TINY_DVAE = ["model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16", "data.batch_size=8", "data.num_workers=0"]
 TINY_PRIOR = ["model.n_layer=2", "model.n_head=2", "model.d_head=8", "data.batch_size=8", "data.num_workers=0"]
 
 

@@ -31,7 +31,7 @@ def test_two_torchrun_nodes_train_the_prior_and_end_identical(tmp_path: Path) ->
     work = f"paths.work_dir={tmp_path}"
     run_app(data.main, work, "n_train=64", "n_val=16", "n_zeroshot=8", "shard_size=32")
     run_app(train_app.main, "stage=tokenizer", work)
-    run_app(train_app.main, "stage=dvae", work, "model.n_hid=8", "model.levels=[4,4,3]", "model.codebook_dim=16",
+    run_app(train_app.main, "stage=dvae", work, "model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16",
             "data.batch_size=8", "trainer.max_steps=2", "trainer.enable_progress_bar=false")
     run_app(encode.main, work, "batch_size=32")
 

@@ -54,4 +54,4 @@ def test_wheel_installs_and_its_console_scripts_run_outside_the_source_tree(tmp_
          "hydra.run.dir=runs/data", cwd=run_dir)
     assert sorted(p.name for p in (run_dir / "world" / "train").glob("*.tar")) == ["000000.tar", "000001.tar"]
     _run(bin_dir / "dalle-train", "stage=dvae", "paths.work_dir=.", "trainer.fast_dev_run=true", "model.n_hid=8",
-         "model.levels=[4,4,3]", "model.codebook_dim=16", "data.batch_size=8", "hydra.run.dir=runs/dvae", cwd=run_dir)
+         "model.vocab_size=32", "model.codebook_dim=16", "data.batch_size=8", "hydra.run.dir=runs/dvae", cwd=run_dir)
