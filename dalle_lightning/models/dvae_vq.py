@@ -5,6 +5,10 @@ outputs assigned to each code (no gradient), initialised by k-means on the first
 count falls below ``threshold_ema_dead_code`` is re-seeded from the current batch's encoder outputs, so codes do not
 stay dead. The encoder gets the decoder's gradient through the rotation trick and a commitment loss.
 Same encoder, decoder, likelihood and interface as :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`.
+
+Limitation: the library all-reduces the codebook statistics only if a process group exists when the quantizer is
+built; ``dalle-train`` builds the model before the Trainer starts one, so under a multi-process strategy each rank
+keeps its own codebook (rank 0's is saved). One process is fine; several are not yet supported.
 """
 
 from __future__ import annotations
