@@ -1,12 +1,13 @@
 """dVAE training step (forward + backward + AdamW) time and fraction of the matmul peak, as JSON.
 
 The shapes world's dVAEs (64x64 images, 4 groups, width 32, 512 codes: ``--model fsq``, ``conf/model/dvae_fsq.yaml``,
-the demo's; ``--model gumbel``, ``conf/model/dvae_gumbel.yaml``, the paper's relaxation) at the demo's batch
+``--model vq``, ``conf/model/dvae_vq.yaml``; ``--model gumbel``, ``conf/model/dvae_gumbel.yaml``, the paper's
+relaxation and the demo's) at the demo's batch
 (8) and at 32, in fp32 and bf16 autocast, with NCHW and channels-last (NHWC) tensors. FLOPs are those torch's flop
 counter finds in the convolutions (forward and backward); ``fraction_of_peak`` divides the achieved rate by the
 same dtype's 2048^3 matmul rate measured in the same process around the run.
 
-Usage: ``python benchmarks/dvae_throughput.py [--model fsq|gumbel] [--batches 8 32] [--optimizer fused|foreach]
+Usage: ``python benchmarks/dvae_throughput.py [--model gumbel|fsq|vq] [--batches 8 32] [--optimizer fused|foreach]
 [--steps 6]``.
 """
 
@@ -21,10 +22,12 @@ from _peak import executed_flops, timed_against_peak
 
 from dalle_lightning.models.dvae import DiscreteVAE
 from dalle_lightning.models.dvae_fsq import FSQVAE
+from dalle_lightning.models.dvae_vq import VQVAE
 from strategies.dtypes import resolve_dtype
 
 SHAPES = dict(image_size=64, group_count=4, n_hid=32, n_blk_per_group=1, codebook_dim=64)
-MODELS = {"gumbel": lambda: DiscreteVAE(vocab_size=512, **SHAPES), "fsq": lambda: FSQVAE(levels=[8, 8, 8], **SHAPES)}
+MODELS = {"gumbel": lambda: DiscreteVAE(vocab_size=512, **SHAPES), "fsq": lambda: FSQVAE(levels=[8, 8, 8], **SHAPES),
+          "vq": lambda: VQVAE(vocab_size=512, latent_dim=8, use_cosine_sim=True, **SHAPES)}
 PRECISIONS = ["fp32", "bf16"]  # names resolve_dtype knows
 
 
@@ -56,7 +59,7 @@ def measure(name: str, batch: int, precision: str, channels_last: bool, optimize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="fsq")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gumbel")
     parser.add_argument("--batches", nargs="+", type=int, default=[8, 32])
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=PRECISIONS)
     parser.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
