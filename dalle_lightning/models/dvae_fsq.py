@@ -1,5 +1,5 @@
 """A dVAE with finite scalar quantization (FSQ, Mentzer et al. 2023, arXiv 2309.15505) in place of the Gumbel
-relaxation: the shapes world's default image tokenizer.
+relaxation (``model=dvae_fsq``; not the demo's: at 3,500 updates it matched fewer captions, docs/experiments.md).
 
 Why: the paper's relaxed dVAE ends a short run with a soft posterior (about 4.4 nats per token on the shapes world),
 so its decoder learns from codes drawn among ~80 near-equivalent ones, the argmax code of a small shape says little
@@ -13,7 +13,8 @@ Same encoder and decoder as :class:`DiscreteVAE` (OpenAI's module names), with t
 ``len(levels)`` channels and the decoder's first 1x1 conv reading them; the same logit-Laplace likelihood; no KL
 term (the code is deterministic given the image). The interface the later stages read is unchanged:
 ``get_codebook_indices``, ``decode_indices`` / ``decode_stats`` from indices, ``reconstruct``, ``vocab_size``,
-``grid_size``.
+``grid_size``. ``latent_penalty`` keeps the pre-bound latents in tanh's working range (without it two of three
+channels saturated and stayed there on the shapes world).
 """
 
 from __future__ import annotations
