@@ -1,11 +1,14 @@
 """dVAE training step (forward + backward + AdamW) time and fraction of the matmul peak, as JSON.
 
-The demo's dVAE (``conf/model/dvae_shapes.yaml``: 64x64 images, 4 groups, width 32, K = 512) at the demo's batch
+The shapes world's dVAEs (64x64 images, 4 groups, width 32, 512 codes: ``--model fsq``, ``conf/model/dvae_fsq.yaml``,
+``--model vq``, ``conf/model/dvae_vq.yaml``; ``--model gumbel``, ``conf/model/dvae_gumbel.yaml``, the paper's
+relaxation and the demo's) at the demo's batch
 (8) and at 32, in fp32 and bf16 autocast, with NCHW and channels-last (NHWC) tensors. FLOPs are those torch's flop
 counter finds in the convolutions (forward and backward); ``fraction_of_peak`` divides the achieved rate by the
 same dtype's 2048^3 matmul rate measured in the same process around the run.
 
-Usage: ``python benchmarks/dvae_throughput.py [--batches 8 32] [--optimizer fused|foreach] [--steps 6]``.
+Usage: ``python benchmarks/dvae_throughput.py [--model gumbel|fsq|vq] [--batches 8 32] [--optimizer fused|foreach]
+[--steps 6]``.
 """
 
 from __future__ import annotations
@@ -18,16 +21,21 @@ import torch
 from _peak import executed_flops, timed_against_peak
 
 from dalle_lightning.models.dvae import DiscreteVAE
+from dalle_lightning.models.dvae_fsq import FSQVAE
+from dalle_lightning.models.dvae_vq import VQVAE
 from strategies.dtypes import resolve_dtype
 
-DEMO = dict(image_size=64, group_count=4, n_hid=32, n_blk_per_group=1, vocab_size=512, codebook_dim=64)
+SHAPES = dict(image_size=64, group_count=4, n_hid=32, n_blk_per_group=1, codebook_dim=64)
+MODELS = {"gumbel": lambda: DiscreteVAE(vocab_size=512, **SHAPES), "fsq": lambda: FSQVAE(levels=[8, 8, 8], **SHAPES),
+          "vq": lambda: VQVAE(vocab_size=512, latent_dim=8, use_cosine_sim=True, **SHAPES)}
 PRECISIONS = ["fp32", "bf16"]  # names resolve_dtype knows
 
 
-def measure(batch: int, precision: str, channels_last: bool, optimizer: str, steps: int) -> dict:
+def measure(name: str, batch: int, precision: str, channels_last: bool, optimizer: str, steps: int) -> dict:
     torch.manual_seed(0)
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    model = DiscreteVAE(**DEMO).to(memory_format=layout)
+    model = MODELS[name]().to(memory_format=layout)
+    kwargs = dict(temperature=1.0, kl_weight=1.0) if model.relaxed else {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
     images = torch.rand(batch, 3, 64, 64).contiguous(memory_format=layout)
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
@@ -35,7 +43,7 @@ def measure(batch: int, precision: str, channels_last: bool, optimizer: str, ste
 
     def step() -> None:
         with autocast:
-            loss = model(images, temperature=1.0, kl_weight=1.0)["loss"]
+            loss = model(images, **kwargs)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -51,6 +59,7 @@ def measure(batch: int, precision: str, channels_last: bool, optimizer: str, ste
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gumbel")
     parser.add_argument("--batches", nargs="+", type=int, default=[8, 32])
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=PRECISIONS)
     parser.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
@@ -60,9 +69,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = [measure(batch, precision, channels_last, args.optimizer, args.steps)
+    results = [measure(args.model, batch, precision, channels_last, args.optimizer, args.steps)
                for batch in args.batches for precision in args.precisions for channels_last in (False, True)]
-    print(json.dumps({"benchmark": "dvae_train_step", "optimizer": args.optimizer,
+    print(json.dumps({"benchmark": "dvae_train_step", "model": args.model, "optimizer": args.optimizer,
                       "threads": torch.get_num_threads(), "results": results}, indent=1))
 
 

@@ -3,6 +3,8 @@
 The dVAE's Gumbel temperature and KL weight change every update (paper: tau 1 -> 1/16 over 150k updates,
 beta 0 -> 6.6 over the first 5k). Keeping them in callbacks, not in ``training_step``, lets any module take
 part: the protocol is just a float attribute whose name is configured (``temperature``, ``kl_weight``, ...).
+A module whose attribute is None does not use that hyper-parameter (a dVAE without the Gumbel relaxation): the
+schedule then sets and logs nothing, and says so once.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 
@@ -35,6 +38,7 @@ class CosineAttributeSchedule(pl.Callback):
         self.end = float(end)
         self.steps = int(steps)
         self.log_name = log_name or f"schedule/{attribute}"
+        self.active = True
 
     def value(self, step: int) -> float:
         return cosine(step, self.start, self.end, self.steps)
@@ -46,10 +50,17 @@ class CosineAttributeSchedule(pl.Callback):
                 f"{type(pl_module).__name__} has no attribute {self.attribute!r}; "
                 f"{type(self).__name__} expects the module to define it as a float"
             )
+        self.active = getattr(pl_module, self.attribute) is not None
+        if not self.active:
+            rank_zero_info(f"{type(self).__name__}: {type(pl_module).__name__}.{self.attribute} is None (not used by "
+                           f"this model); the schedule does nothing")
+            return
         setattr(pl_module, self.attribute, self.value(trainer.global_step))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
+        if not self.active:
+            return
         value = self.value(trainer.global_step)
         setattr(pl_module, self.attribute, value)
         pl_module.log(self.log_name, value, on_step=True, on_epoch=False, prog_bar=False, rank_zero_only=True)

@@ -9,7 +9,8 @@ A one-node mesh (1 x 4) at the default rank must be exact as well: with nobody t
 PowerSGD must not approximate anything.
 
 Randomness is taken out or made identical: the dVAE's Gumbel noise is switched off (a softmax at the same
-temperature), the prior has no dropout and no caption dropout.
+temperature), the prior has no dropout and no caption dropout. The FSQ dVAE (the shapes world's default) has no
+randomness; its rounding is per sample, so the batch split cannot change it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def dvae_module() -> tuple[Any, Dataset]:
     return module, Dicts(image=images)
 
 
+def fsq_module() -> tuple[Any, Dataset]:
+    from dalle_lightning.lit.dvae import DVAEModule
+    from dalle_lightning.models.dvae_fsq import FSQVAE
+
+    torch.manual_seed(0)
+    model = FSQVAE(image_size=16, levels=[5, 4, 3], group_count=2, n_hid=8, n_blk_per_group=1, codebook_dim=16)
+    module = DVAEModule(model, functools.partial(torch.optim.SGD, lr=LR))
+    images = torch.rand(STEPS * BATCH * WORLD, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return module, Dicts(image=images)
+
+
 def prior_module() -> tuple[Any, Dataset]:
     from dalle_lightning.lit.prior import PriorModule
     from dalle_lightning.models.prior import DallePrior
@@ -78,7 +90,7 @@ def prior_module() -> tuple[Any, Dataset]:
     return module, Dicts(text=torch.randint(0, 20, (n, 6), generator=g), image=torch.randint(0, 16, (n, 16), generator=g))
 
 
-BUILDERS = {"dvae": dvae_module, "prior": prior_module}
+BUILDERS = {"dvae": dvae_module, "fsq": fsq_module, "prior": prior_module}
 
 
 def rank_loader(dataset: Dataset, rank: int) -> DataLoader:
@@ -91,7 +103,7 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
 
     external_launch_env(rank)
     out = {}
-    runs = [("dvae", 2, 10_000), ("prior", 2, 10_000), ("prior_one_node", 4, 4)]
+    runs = [("dvae", 2, 10_000), ("fsq", 2, 10_000), ("prior", 2, 10_000), ("prior_one_node", 4, 4)]
     for name, per_node, rank_r in runs:
         module, data = BUILDERS[name.split("_")[0]]()
         strategy = ShardedPowerSGDStrategy(devices_per_node=per_node, powersgd_rank=rank_r, min_compression=0.0)
@@ -130,7 +142,7 @@ def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 @pytest.mark.distributed
 def test_real_models_at_full_rank_equal_exact_data_parallelism() -> None:
     results = run_distributed(_worker, WORLD, timeout=400)
-    for name in ("dvae", "prior", "prior_one_node"):
+    for name in ("dvae", "fsq", "prior", "prior_one_node"):
         want = reference(name.split("_")[0])
         start = BUILDERS[name.split("_")[0]]()[0].state_dict()
         moved = max(relative_errors(want, {k: v.detach() for k, v in start.items()}).values())

@@ -1,7 +1,9 @@
 """LightningModule for stage 1: trains a :class:`DiscreteVAE` on image batches ``{"image": [B, 3, H, W]}``.
 
 The Gumbel temperature and KL weight are plain float attributes so that schedule callbacks
-(``callbacks.schedules``) can set them before every batch; the module just reads them.
+(``callbacks.schedules``) can set them before every batch; the module just reads them. A model without the
+relaxation (``relaxed = False``: :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`) has neither, so both attributes
+are None and the schedules leave them alone.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class DVAEModule(FusedOptimizerClipping):
 
     def __init__(
         self,
-        model: DiscreteVAE,
+        model: DiscreteVAE,  # or its FSQ subclass
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
         temperature: float = 1.0,
@@ -66,8 +68,9 @@ class DVAEModule(FusedOptimizerClipping):
         self.model = model.to(memory_format=self.memory_format)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.temperature = float(temperature)
-        self.kl_weight = float(kl_weight)
+        relaxed = getattr(model, "relaxed", True)
+        self.temperature: float | None = float(temperature) if relaxed else None
+        self.kl_weight: float | None = float(kl_weight) if relaxed else None
         self.val_mse = MeanSquaredError()
         self.val_psnr = PeakSignalNoiseRatio(data_range=1.0)
         self.val_perplexity = CodebookPerplexity(model.vocab_size)
@@ -85,6 +88,8 @@ class DVAEModule(FusedOptimizerClipping):
     @override
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         images = images.contiguous(memory_format=self.memory_format)
+        if self.temperature is None:  # no relaxation, no KL (FSQ)
+            return self.model(images)
         return self.model(images, temperature=self.temperature, kl_weight=self.kl_weight)
 
     @staticmethod
@@ -100,14 +105,15 @@ class DVAEModule(FusedOptimizerClipping):
         n = images.shape[0]
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
         self.log("train/recon_loss", out["recon_loss"], batch_size=n)
-        self.log("train/kl", out["kl"], batch_size=n)
+        if "kl" in out:
+            self.log("train/kl", out["kl"], batch_size=n)
         return out["loss"]
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         images = self._images(batch)
         out = self(images)
-        codes = out["logits"].argmax(dim=1)
+        codes = out["indices"]
         recon = self.model.decode_indices(codes).contiguous()  # torchmetrics flattens with view()
         target = images.float().contiguous()
         self.val_mse.update(recon, target)

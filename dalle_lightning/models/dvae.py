@@ -219,6 +219,8 @@ class Decoder(nn.Module):
 class DiscreteVAE(nn.Module):
     """Encoder + decoder + the relaxed ELB. Images are float [B, C, image_size, image_size] in [0, 1]."""
 
+    relaxed = True  # trained through the Gumbel relaxation with a KL term: the temperature and KL schedules apply
+
     def __init__(
         self,
         image_size: int = 64,
@@ -287,7 +289,11 @@ class DiscreteVAE(nn.Module):
             raise ValueError(
                 f"indices in [{int(idx.min())}, {int(idx.max())}]; expected codes in [0, {self.vocab_size - 1}]"
             )
-        return self.decoder.forward_indices(idx).float()
+        return self.decode_hard(idx).float()
+
+    def decode_hard(self, idx: torch.Tensor) -> torch.Tensor:
+        """Decoder output for checked hard codes: a lookup of the codebook conv's columns."""
+        return self.decoder.forward_indices(idx)
 
     def stats_to_images(self, stats: torch.Tensor) -> torch.Tensor:
         """Mean image of the logit-Laplace: sigmoid(mu), un-mapped and clamped to [0, 1]."""
@@ -318,7 +324,8 @@ class DiscreteVAE(nn.Module):
 
         ``kl`` is KL(q(z|x) || uniform over K) summed over the h*w latents and divided by the C*H*W pixel
         values, the normalisation of ``recon_loss`` (the paper's 256*256*3), so beta is comparable across sizes.
-        Returns loss, recon_loss, kl, plus ``logits`` [B, K, h, w] and the relaxed reconstruction ``recon``.
+        Returns loss, recon_loss, kl, plus ``logits`` [B, K, h, w], their argmax ``indices`` [B, h, w] and the relaxed
+        reconstruction ``recon``.
         """
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} is not positive; expected a Gumbel-softmax tau > 0")
@@ -336,5 +343,6 @@ class DiscreteVAE(nn.Module):
             recon_loss=recon_loss,
             kl=kl,
             logits=logits,
+            indices=logits.detach().argmax(dim=1),
             recon=self.stats_to_images(stats).detach(),
         )

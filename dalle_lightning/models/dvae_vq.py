@@ -1,0 +1,76 @@
+"""A dVAE with an EMA vector quantiser (VQ-VAE-2, SoundStream, Jukebox) in place of the Gumbel relaxation.
+
+``vector_quantize_pytorch.VectorQuantize``: the codebook is updated by exponential moving averages of the encoder
+outputs assigned to each code (no gradient), initialised by k-means on the first batch, and a code whose running
+count falls below ``threshold_ema_dead_code`` is re-seeded from the current batch's encoder outputs, so codes do not
+stay dead. The encoder gets the decoder's gradient through the rotation trick and a commitment loss.
+Same encoder, decoder, likelihood and interface as :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`.
+
+Limitation: the library all-reduces the codebook statistics only if a process group exists when the quantizer is
+built; ``dalle-train`` builds the model before the Trainer starts one, so under a multi-process strategy each rank
+keeps its own codebook (rank 0's is saved). One process is fine; several are not yet supported.
+"""
+
+from __future__ import annotations
+
+import torch
+from vector_quantize_pytorch import VectorQuantize
+
+from dalle_lightning.models.dvae import LOGIT_LAPLACE_EPS, DiscreteVAE
+
+
+class VQVAE(DiscreteVAE):
+    """Encoder -> nearest of ``vocab_size`` EMA codes of width ``latent_dim`` -> decoder."""
+
+    relaxed = False  # no Gumbel temperature and no KL weight
+
+    def __init__(
+        self,
+        image_size: int = 64,
+        vocab_size: int = 512,
+        latent_dim: int = 32,
+        n_hid: int = 256,
+        n_blk_per_group: int = 2,
+        group_count: int = 4,
+        codebook_dim: int = 128,
+        channels: int = 3,
+        eps: float = LOGIT_LAPLACE_EPS,
+        decay: float = 0.8,
+        commitment_weight: float = 1.0,
+        threshold_ema_dead_code: float = 2.0,
+        kmeans_init: bool = True,
+        use_cosine_sim: bool = False,
+    ) -> None:
+        if latent_dim < 1:
+            raise ValueError(f"latent_dim={latent_dim}; expected a positive code width")
+        super().__init__(image_size, latent_dim, n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps)
+        self.vocab_size = int(vocab_size)
+        with torch.device("cpu"):  # k-means state and tables are built eagerly; never on the meta device
+            self.quantizer = VectorQuantize(
+                dim=latent_dim, codebook_size=vocab_size, decay=decay, commitment_weight=commitment_weight,
+                threshold_ema_dead_code=threshold_ema_dead_code, kmeans_init=kmeans_init,
+                use_cosine_sim=use_cosine_sim,
+            )
+
+    def quantize(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Latents [B, d, h, w] -> (codes [B, d, h, w], indices [B, h, w], commitment loss), in fp32."""
+        b, d, h, w = latents.shape
+        with torch.autocast(device_type=latents.device.type, enabled=False):
+            flat = latents.float().permute(0, 2, 3, 1).reshape(b, h * w, d)
+            codes, indices, commit = self.quantizer(flat)
+        return codes.reshape(b, h, w, d).permute(0, 3, 1, 2), indices.reshape(b, h, w).long(), commit.sum()
+
+    def get_codebook_indices(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.quantize(self.encode(images))[1]
+
+    def decode_hard(self, idx: torch.Tensor) -> torch.Tensor:
+        codes = self.quantizer.get_codes_from_indices(idx)  # [B, h, w, d]
+        return self.decoder(codes.permute(0, 3, 1, 2).float())
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, indices, commit = self.quantize(self.encode(images))
+        stats = self.decoder(codes).float()
+        recon_loss = self.logit_laplace_nll(stats, images)
+        return dict(loss=recon_loss + commit, recon_loss=recon_loss, commit=commit.detach(), indices=indices,
+                    recon=self.stats_to_images(stats).detach())

@@ -1,0 +1,78 @@
+"""The EMA vector-quantised dVAE: nearest-code assignment, decoding from indices, dead-code restarts, artifact."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning.pytorch as pl
+import torch
+
+from callbacks.schedules import KLWeightAnnealing, TemperatureAnnealing
+from dalle_lightning.artifacts import load_model, save_model
+from dalle_lightning.lit.dvae import DVAEModule
+from dalle_lightning.models.dvae_vq import VQVAE
+from tests.test_dvae import images, loader
+
+TINY = dict(image_size=32, vocab_size=16, latent_dim=4, n_hid=8, n_blk_per_group=1, group_count=4, codebook_dim=8)
+
+
+def tiny(seed: int = 0, **overrides) -> VQVAE:
+    torch.manual_seed(seed)
+    return VQVAE(**{**TINY, **overrides})
+
+
+def test_indices_are_the_nearest_codes_and_decode_like_the_codes() -> None:
+    model = tiny()
+    model.train()
+    model(images())  # k-means initialisation on the first batch
+    model.eval()
+    x = images(seed=1)
+    latents = model.encode(x)
+    codebook = model.quantizer.codebook  # [K, d]
+    flat = latents.permute(0, 2, 3, 1).reshape(-1, 4)
+    nearest = torch.cdist(flat, codebook).argmin(dim=1).view(4, 4, 4)
+    idx = model.get_codebook_indices(x)
+    assert idx.dtype == torch.long and torch.equal(idx, nearest)
+    codes, _, _ = model.quantize(latents)
+    torch.testing.assert_close(codes, codebook[idx].permute(0, 3, 1, 2))
+    torch.testing.assert_close(model.decode_stats(idx), model.decoder(codes), atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.reconstruct(x), model.decode_indices(idx))
+
+
+def codes_in_use_after_training(threshold: float) -> int:
+    model = tiny(threshold_ema_dead_code=threshold)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(20):
+        out = model(images(8, seed=step))
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    model.eval()
+    return model.get_codebook_indices(torch.cat([images(8, seed=100 + s) for s in range(4)])).unique().numel()
+
+
+def test_dead_codes_are_reseeded_from_the_batch() -> None:
+    """A code nobody picks has its EMA count decay below the threshold and is replaced by an encoder output of the
+    batch. Same model, data and steps: without restarts the k-means codebook collapses onto a few codes, with them
+    every code is the nearest of some cell."""
+    without, with_restarts = codes_in_use_after_training(0.0), codes_in_use_after_training(0.5)
+    assert without <= 8 and with_restarts >= 14, (without, with_restarts)
+
+
+def test_module_trains_with_the_schedules_doing_nothing_and_the_artifact_round_trips(tmp_path) -> None:
+    lit = DVAEModule(tiny(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    trainer = pl.Trainer(
+        max_steps=2, limit_val_batches=1, accelerator="cpu", default_root_dir=str(tmp_path),
+        callbacks=[TemperatureAnnealing(steps=10), KLWeightAnnealing(steps=5)], enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1, enable_checkpointing=False,
+    )
+    trainer.fit(lit, train_dataloaders=loader(), val_dataloaders=loader())
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    assert not any(key.startswith("schedule/") for key in trainer.logged_metrics)
+    model = lit.model.eval()
+    save_model(tmp_path / "dvae.pt", {"_target_": "dalle_lightning.models.dvae_vq.VQVAE", **TINY}, model)
+    loaded = load_model(tmp_path / "dvae.pt").eval()
+    x = images()
+    assert loaded.vocab_size == 16
+    assert torch.equal(loaded.get_codebook_indices(x), model.get_codebook_indices(x))
+    assert torch.equal(loaded.reconstruct(x), model.reconstruct(x))
