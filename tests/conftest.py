@@ -94,6 +94,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def restore_rank_zero() -> Iterator[None]:
+    """A strategy set up in this process (mocked or with a fake environment) sets Lightning's process-wide
+    ``rank_zero_only.rank``; put it back, so that later tests do not run as rank 1 (the apps that run on rank 0
+    only would then do nothing)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    before = getattr(rank_zero_only, "rank", None)
+    yield
+    if before is None:
+        if hasattr(rank_zero_only, "rank"):
+            del rank_zero_only.rank
+    else:
+        rank_zero_only.rank = before
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``cuda``-marked tests on machines without enough GPUs, so they can live beside the CPU tests."""
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
