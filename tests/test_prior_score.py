@@ -164,7 +164,6 @@ def test_dalle_generate_runs_with_rerank(rerank: str, tmp_path: Path) -> None:
 
 def test_dalle_eval_reports_every_reranker(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from dalle_lightning.cli import evaluate
-
     from tests.test_eval_report import tiny_pipeline
 
     work = tiny_pipeline(tmp_path)
@@ -179,3 +178,6 @@ def test_dalle_eval_reports_every_reranker(tmp_path: Path, capsys: pytest.Captur
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(printed["waterfall"]) == {"seen", "zeroshot"} and "prior pick" in printed["waterfall"]["seen"]
     assert (work / "eval_waterfall.png").is_file()
+    from dalle_lightning.demo import waterfall_lines
+
+    assert waterfall_lines(work) == printed["waterfall"]  # the line the demo prints after its eval step
