@@ -74,6 +74,18 @@ def training_rates(work: Path) -> dict[str, float]:
     return rates
 
 
+def waterfall_lines(work: Path) -> dict[str, str]:
+    """Per split, the waterfall line of the demo's eval.json (empty when there is none): where the accuracy goes."""
+    path = work / "eval.json"
+    if not path.is_file():
+        return {}
+    from dalle_lightning.waterfall import waterfall_line
+
+    report = json.loads(path.read_text())
+    return {split: waterfall_line(report[split]["waterfall"]) for split in ("seen", "zeroshot")
+            if "waterfall" in report.get(split, {})}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     work = Path(args["out_dir"]).resolve()
@@ -97,14 +109,19 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
                "updates_per_s": training_rates(work)}
     for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "prior_plugins.pt", "samples",
-                 "eval.json"):
+                 "eval.json", "eval_waterfall.png"):
         if (work / name).exists():
             summary.setdefault("outputs", {})[name] = str(work / name)
     grids = sorted(work.glob("runs/dvae/*/recon_*.png")) + sorted(work.glob("runs/dvae/*/**/recon_*.png"))
     if grids:
         summary.setdefault("outputs", {})["reconstruction_grid"] = str(grids[-1])
+    waterfall = waterfall_lines(work)
+    if waterfall:
+        summary["waterfall"] = waterfall
     write_json(work / "demo.json", summary, sort_keys=False)
     print(json.dumps(summary, indent=2))
+    for split, line in waterfall.items():
+        print(f"waterfall, {split}: {line}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Text-to-image generation: prior samples image tokens, the dVAE decodes them, CLIP keeps the best.
+"""Text-to-image generation: prior samples image tokens, the dVAE decodes them, a reranker keeps the best.
+
+The reranker is the contrastive model (``rerank="clip"``), the prior's own score of each candidate
+(``rerank="prior"``, :mod:`dalle_lightning.prior_score`) or both (:mod:`dalle_lightning.selection`).
 
 Python API::
 
     from dalle_lightning.generate import Generator
     gen = Generator.from_files(prior="outputs/demo/prior.pt", dvae="outputs/demo/dvae.pt",
                                tokenizer="outputs/demo/tokenizer.json", clip="outputs/demo/clip.pt")
-    result = gen.generate(["a red square above a blue circle"], num_candidates=8, seed=0)
+    result = gen.generate(["a red square above a blue circle"], num_candidates=8, seed=0, rerank="both")
     result.images  # FloatTensor[P, 3, H, W] in [0, 1], the best candidate per prompt
 
 Candidates are drawn in batches with one seeded generator, so the same seed gives the same images.
@@ -23,8 +26,10 @@ from tqdm.auto import tqdm
 
 from dalle_lightning.artifacts import load_model
 from dalle_lightning.lineage import check_pipeline
+from dalle_lightning.prior_score import prior_score
 from dalle_lightning.rerank import Reranker
 from dalle_lightning.sampling import sample_image_tokens
+from dalle_lightning.selection import check_rerank, selection_scores
 from dalle_lightning.tokenizer import CaptionTokenizer
 
 log = logging.getLogger(__name__)
@@ -32,25 +37,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Generation:
-    """Every candidate (``[P, N, 3, H, W]``), its contrastive score (``[P, N]``, None without a reranker),
-    the best candidate per prompt (``[P, 3, H, W]``) and every candidate's image tokens (``[P, N, grid * grid]``,
-    raster order: what the prior drew, before the dVAE decoded it)."""
+    """Every candidate (``[P, N, 3, H, W]``), its contrastive score (``[P, N]``, None without a CLIP),
+    the best candidate per prompt (``[P, 3, H, W]``), every candidate's image tokens (``[P, N, grid * grid]``,
+    raster order: what the prior drew, before the dVAE decoded it), its prior score (``[P, N]``, None unless
+    computed) and the reranker that picks the best (``clip|prior|both``)."""
 
     prompts: list[str]
     candidates: torch.Tensor
     scores: torch.Tensor | None
     images: torch.Tensor
     tokens: torch.Tensor | None = None
+    prior_scores: torch.Tensor | None = None
+    rerank: str = "clip"
 
-    def best_index(self, n: int) -> torch.Tensor:
-        """Per prompt, the index of the best of the first ``n`` candidates (``n = 1``: no reranking, index 0)."""
-        if self.scores is None or n == 1:
+    def best_index(self, n: int, rerank: str | None = None) -> torch.Tensor:
+        """Per prompt, the index of the best of the first ``n`` candidates by ``rerank`` (default: the
+        generation's own); ``n = 1``, or ``clip`` without a CLIP, keeps candidate 0."""
+        rerank = check_rerank(rerank or self.rerank)
+        if n == 1 or (rerank == "clip" and self.scores is None):
             return torch.zeros(len(self.prompts), dtype=torch.long)
-        return self.scores[:, :n].argmax(dim=1)
+        clip, prior = (None if s is None else s[:, :n] for s in (self.scores, self.prior_scores))
+        return selection_scores(rerank, clip, prior).argmax(dim=1)
 
-    def best_of(self, n: int) -> torch.Tensor:
+    def best_of(self, n: int, rerank: str | None = None) -> torch.Tensor:
         """The best of the first ``n`` candidates per prompt (``n = 1``: no reranking)."""
-        return self.candidates[torch.arange(len(self.prompts)), self.best_index(n)]
+        return self.candidates[torch.arange(len(self.prompts)), self.best_index(n, rerank)]
 
 
 def check_prompts(prompts: list[str]) -> list[str]:
@@ -94,12 +105,16 @@ class Generator:
     @torch.no_grad()
     def generate(self, prompts: list[str], num_candidates: int = 1, batch_size: int = 64, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, cond_scale: float = 1.0, seed: int = 0,
-                 image_prefix: torch.Tensor | None = None, progress: bool = False) -> Generation:
-        """Draw ``num_candidates`` images per prompt and rerank them (when a reranker is loaded). ``image_prefix``
-        (``[P, L]`` tokens, one row per prompt) starts every candidate of its prompt: image priming."""
+                 image_prefix: torch.Tensor | None = None, progress: bool = False, rerank: str = "clip",
+                 prior_scores: bool = False) -> Generation:
+        """Draw ``num_candidates`` images per prompt and keep the best by ``rerank`` (``clip`` without a CLIP
+        loaded keeps the first). ``image_prefix`` (``[P, L]`` tokens, one row per prompt) starts every candidate of
+        its prompt: image priming. ``prior_scores=True`` computes the prior's scores whatever ``rerank`` is."""
         prompts = check_prompts(list(prompts))
         if num_candidates < 1:
             raise ValueError(f"num_candidates={num_candidates}; expected >= 1")
+        if check_rerank(rerank) == "both" and self.reranker is None:
+            raise ValueError("rerank='both' needs the contrastive model; expected a clip file, or rerank=prior")
         p, n = len(prompts), num_candidates
         text = self.tokenizer.encode_batch(prompts).to(self.device)
         text = text.repeat_interleave(n, dim=0)  # [P*N, T]: candidates of one prompt are adjacent
@@ -122,6 +137,10 @@ class Generator:
         scores = None
         if self.reranker is not None:
             scores = self.reranker.score(candidates.flatten(0, 1), [c for c in prompts for _ in range(n)]).view(p, n).cpu()
-        result = Generation(prompts, candidates, scores, candidates[:, 0], torch.cat(drawn).view(p, n, -1))
+        tokens = torch.cat(drawn)
+        by_prior = None
+        if prior_scores or rerank != "clip":
+            by_prior = prior_score(self.prior, text, tokens.to(self.device), batch_size).view(p, n).cpu()
+        result = Generation(prompts, candidates, scores, candidates[:, 0], tokens.view(p, n, -1), by_prior, rerank)
         result.images = result.best_of(n)
         return result

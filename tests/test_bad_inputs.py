@@ -52,6 +52,8 @@ generate | top_k=0                          | top_k=0; expected an integer >= 1
 generate | top_p=1.5                        | top_p=1.5; expected a number in (0, 1]
 generate | cond_scale=abc                   | cond_scale='abc'; expected a number
 generate | seed=abc                         | seed='abc'; expected an integer
+generate | rerank=best                      | rerank='best'; expected one of clip|prior|both
+generate | rerank=both                      | rerank='both'; expected clip or prior when clip=null
 generate | prior={work}/dvae.pt             | prior='{work}/dvae.pt' is a dvae model; expected a prior model
 generate | prior={junk}                     | is not a dalle-lightning model file
 generate | out_dir={file}/out               | is a file
@@ -64,6 +66,8 @@ eval     | candidates=abc                   | candidates='abc'; expected a non-e
 eval     | out=/proc/eval.json              | out='/proc/eval.json'; expected a writable location
 eval     | plot={file}/eval.png             | is a file
 eval     | fid=true                         | fid=true with clip=null
+eval     | rerank=both                      | rerank='both'; expected clip or prior when clip=null
+eval     | waterfall_plot={file}/w.png      | is a file
 """
 NO_CUDA_TABLE = """
 generate | device=cuda                      | device='cuda'; expected cpu (this machine has no CUDA device)

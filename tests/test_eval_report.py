@@ -31,20 +31,23 @@ DVAE = dict(_target_="dalle_lightning.models.dvae.DiscreteVAE", image_size=32, v
 CLIP = dict(_target_="dalle_lightning.models.clip.create", name=SHAPES_CLIP)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Artifacts of a tiny untrained pipeline, saved as dalle-train saves them."""
+def tiny_pipeline(work: Path) -> Path:
+    """Artifacts of a tiny untrained pipeline in ``work``, saved as dalle-train saves them."""
     from hydra.utils import instantiate
 
     from dalle_lightning.tokenizer import CaptionTokenizer
 
-    work = tmp_path_factory.mktemp("eval")
     tok = CaptionTokenizer.train(sample_captions(0, "train", 200), vocab_size=300, text_len=PRIOR["text_len"])
     tok.save(work / "tokenizer.json")
     torch.manual_seed(0)
     for name, cfg in (("prior", {**PRIOR, "text_vocab_size": tok.vocab_size}), ("dvae", DVAE), ("clip", CLIP)):
         save_model(work / f"{name}.pt", cfg, instantiate(cfg))
     return work
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_pipeline(tmp_path_factory.mktemp("eval"))
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +152,73 @@ def test_any_of_n_is_the_perfect_reranker_accuracy(gen: Generator, monkeypatch: 
     report = evaluate_split(gen, captions, [1, 2, 3])
     assert [report[str(n)]["any_of_n"] for n in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [report[str(n)]["accuracy"] for n in (1, 2, 3)] == [0.0, 1.0, 0.0]
+
+
+class MirrorDvae(torch.nn.Module):
+    """A stand-in dVAE whose reconstruction mirrors the image left to right (one-object captions and above/below
+    survive, left/right relations do not) and whose codes are a coarse quantisation of the red channel."""
+
+    image_size, vocab_size = 64, 16
+
+    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flip(-1)
+
+    def get_codebook_indices(self, x: torch.Tensor) -> torch.Tensor:
+        return (x[:, 0, ::8, ::8] * 15).round().long()
+
+
+def test_waterfall_rows_are_what_they_claim(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import Counter
+
+    from dalle_lightning.generate import Generation
+    from dalle_lightning.world.detect import match
+
+    scenes = eval_scenes(4, "val", 12)
+    captions = [s.caption for s in scenes]
+    renders = images_of(scenes)
+    p = len(scenes)
+    # Candidate 0 blank, 1 the caption's render, 2 another caption's: the contrastive scores prefer 2, the prior's 1;
+    # standardised and added, 1 wins (-1.22 + 0, 0 + 1.22, 1.22 - 1.22).
+    candidates = torch.stack([torch.zeros_like(renders), renders, renders.roll(1, dims=0)], dim=1)
+    clip, prior = torch.tensor([[0.0, 0.5, 1.0]]).repeat(p, 1), torch.tensor([[0.0, 3.0, -3.0]]).repeat(p, 1)
+
+    def fake_generate(prompts: list[str], num_candidates: int, **_: object) -> Generation:
+        return Generation(prompts, candidates, clip, candidates[:, 2], prior_scores=prior)
+
+    monkeypatch.setattr(gen, "generate", fake_generate)
+    monkeypatch.setattr(gen, "dvae", MirrorDvae())
+    waterfall = evaluate_split(gen, captions, [1, 3], renders, fid=False)["waterfall"]
+    objects = np.array([len(s.objects) for s in scenes])
+    assert set(objects) == {1, 2}  # both groups are exercised
+    mirrored = np.array([match(image.flip(-1), c).ok for image, c in zip(renders, captions)])
+    assert 0 < mirrored.sum() < p  # some reconstructions fail, so the row measures something
+    for group, mask in (("all", objects > 0), ("one_object", objects == 1), ("two_objects", objects == 2)):
+        rows = waterfall[group]
+        assert rows["captions"] == mask.sum()
+        assert rows["reconstructions"] == pytest.approx(mirrored[mask].mean(), abs=1e-4)
+        assert (rows["renders"], rows["any_of_n"], rows["pick_clip"], rows["pick_prior"], rows["pick_both"]) == (
+            1.0, 1.0, 0.0, 1.0, 1.0)
+        assert rows["one_sample"] == pytest.approx(1 / 3, abs=1e-4)
+    counts = Counter((renders[:, 0, ::8, ::8] * 15).round().long().flatten().tolist())
+    freq = np.array(list(counts.values())) / sum(counts.values())
+    assert waterfall["codes"]["codes_in_use"] == len(counts) and waterfall["codes"]["vocab_size"] == 16
+    assert waterfall["codes"]["codebook_perplexity"] == pytest.approx(2 ** -(freq * np.log2(freq)).sum(), abs=0.01)
+    assert waterfall["n"] == 3
+
+
+def test_waterfall_plot_draws_each_bar_to_its_height(tmp_path: Path) -> None:
+    from dalle_lightning.plot_waterfall import bar_box, plot_waterfall
+    from dalle_lightning.waterfall import GROUPS, ROWS
+
+    values = {g: {r: (i + 1) / 8 + k / 40 for i, r in enumerate(ROWS)} for k, g in enumerate(GROUPS)}
+    report = {"seen": {"waterfall": {"n": 16, **values, "codes": {}}}}
+    report["seen"]["waterfall"]["all"]["captions"] = 10
+    plot_waterfall(report, tmp_path / "w.png")
+    image = np.asarray(Image.open(tmp_path / "w.png").convert("RGB"))
+    for g, group in enumerate(GROUPS):
+        for r, row in enumerate(ROWS):
+            x0, y0, x1, y1 = bar_box((0, 0), r, len(ROWS), g, values[group][row])
+            assert tuple(image[(y0 + y1) // 2, (x0 + x1) // 2]) == COLOURS[g]  # inside the bar
+            assert tuple(image[y0 - 3, (x0 + x1) // 2]) != COLOURS[g]  # just above its top
+    with pytest.raises(ValueError, match="no waterfall"):
+        plot_waterfall({"seen": {"1": {}}}, tmp_path / "x.png")

@@ -143,8 +143,25 @@ def models(cfg: DictConfig, optional_clip: bool = True) -> None:
     input_file(cfg, "clip", "a trained CLIP (dalle-train stage=clip)", optional=optional_clip)
 
 
+def choice(cfg: DictConfig, key: str, allowed: Iterable[str]) -> None:
+    """One of the names in ``allowed``."""
+    allowed = list(allowed)
+    if value(cfg, key) not in allowed:
+        _fail(key, value(cfg, key), "one of " + "|".join(allowed))
+
+
+def rerank(cfg: DictConfig) -> None:
+    """``rerank`` names a reranker, and one that uses the contrastive model has one."""
+    from dalle_lightning.selection import RERANKERS
+
+    choice(cfg, "rerank", RERANKERS)
+    if cfg.rerank == "both" and value(cfg, "clip") is None:
+        _fail("rerank", cfg.rerank, "clip or prior when clip=null (both needs the contrastive model)")
+
+
 def sampling(cfg: DictConfig) -> None:
     """The sampling settings ``dalle-generate`` and ``dalle-eval`` share, and the device they run on."""
+    rerank(cfg)
     integer(cfg, "batch_size", minimum=1)
     number(cfg, "temperature", low=0, low_open=True)
     integer(cfg, "top_k", minimum=1, optional=True)

@@ -1,5 +1,7 @@
 """``dalle-eval``: caption accuracy, FID and contrastive score of a trained pipeline against best-of-N, as JSON
-and as a PNG of the reranking curves (the paper's Figure 9 on the shapes world)."""
+and as a PNG of the reranking curves (the paper's Figure 9 on the shapes world); and the waterfall (renders ->
+dVAE reconstructions -> any of N -> each reranker's pick -> one sample, by split and object count) as a line per
+split and a PNG: which stage loses the accuracy."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from dalle_lightning.cli.common import check_keys, hydra_app
 log = logging.getLogger("dalle_lightning.eval")
 
 KEYS = {"paths", "prior", "dvae", "tokenizer", "clip", "n_seen", "n_zeroshot", "candidates", "batch_size",
-        "temperature", "top_k", "top_p", "cond_scale", "seed", "out", "plot", "fid", "device", "verbose"}
-SUMMARY = ("accuracy", "any_of_n", "fid_shapes_clip", "contrastive_score")
+        "temperature", "top_k", "top_p", "cond_scale", "seed", "out", "plot", "waterfall_plot", "fid", "device",
+        "rerank", "verbose"}
+SUMMARY = ("accuracy", "any_of_n", "accuracy_clip", "accuracy_prior", "accuracy_both", "fid_shapes_clip",
+           "contrastive_score")
 
 
 def summary(report: dict) -> dict:
@@ -28,6 +32,11 @@ def summary(report: dict) -> dict:
                       if n.isdigit() and v.get(metric) is not None}
             if values:
                 out.setdefault(metric, {})[split] = values
+    waterfalls = {split: report[split]["waterfall"] for split in ("seen", "zeroshot") if "waterfall" in report.get(split, {})}
+    if waterfalls:
+        from dalle_lightning.waterfall import waterfall_line
+
+        out["waterfall"] = {split: waterfall_line(w) for split, w in waterfalls.items()}
     return out
 
 
@@ -47,24 +56,28 @@ def check_input(cfg: DictConfig) -> None:
         raise ValueError("fid=true with clip=null; expected a clip file (FID uses its image features) or fid=false")
     checks.output_file(cfg, "out")
     checks.output_file(cfg, "plot")
+    checks.output_file(cfg, "waterfall_plot")
 
 
 def run(cfg: DictConfig) -> dict:
     from dalle_lightning.evaluate import evaluate
     from dalle_lightning.generate import Generator
     from dalle_lightning.plot import plot_report
+    from dalle_lightning.plot_waterfall import plot_waterfall
 
     check_keys(cfg, KEYS)
     check_input(cfg)
     gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
     report = evaluate(gen, cfg.n_seen, cfg.n_zeroshot, list(cfg.candidates), seed=cfg.seed, fid=cfg.fid,
                       batch_size=cfg.batch_size, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                      cond_scale=cfg.cond_scale)
+                      cond_scale=cfg.cond_scale, rerank=cfg.rerank)
     report["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_json(cfg.out, report)
     if cfg.plot:
         plot_report(report, cfg.plot)
-    print(json.dumps({**summary(report), "report": cfg.out, "plot": cfg.plot}))
+    if cfg.waterfall_plot:
+        plot_waterfall(report, cfg.waterfall_plot)
+    print(json.dumps({**summary(report), "report": cfg.out, "plot": cfg.plot, "waterfall_plot": cfg.waterfall_plot}))
     return report
 
 

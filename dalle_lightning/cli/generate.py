@@ -1,5 +1,8 @@
 """``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid.
 
+``rerank=clip|prior|both`` picks the kept candidate by the contrastive score, the prior's own score or both
+(``dalle_lightning.selection``).
+
 With ``prime_image=PATH prime_rows=K`` every image starts from the top K token rows of that image and the prior
 completes the rest under each prompt (the paper's image-to-image translation, see ``dalle_lightning.priming``).
 ``out_dir`` is new, empty, or an earlier run's output: the earlier run's files are removed before the new ones are
@@ -27,7 +30,7 @@ log = logging.getLogger("dalle_lightning.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
         "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "prime_image",
-        "prime_rows", "verbose"}
+        "prime_rows", "rerank", "verbose"}
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -76,7 +79,8 @@ def run(cfg: DictConfig) -> Generation:
     primed = prime(cfg, gen, len(prompts))
     result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,
-                          seed=cfg.seed, image_prefix=None if primed is None else primed[1], progress=True)
+                          seed=cfg.seed, image_prefix=None if primed is None else primed[1], progress=True,
+                          rerank=cfg.rerank)
     clear_samples(out)
     files = []
     if primed is not None:
