@@ -93,11 +93,12 @@ def write_json(path: str | os.PathLike, obj: Any, sort_keys: bool = True) -> Pat
 
 
 def torch_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically."""
+    """``torch.save(obj)`` to ``path`` atomically. Written through a Python file object, so that a failed write
+    (a full disk) raises the ``OSError`` with its errno rather than only torch's own error."""
     import torch
 
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as stream:
+        torch.save(obj, stream)
     return Path(path)
 
 

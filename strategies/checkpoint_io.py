@@ -19,12 +19,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
-from strategies.atomic_files import AtomicWriteError, atomic_path
+from strategies.atomic_files import AtomicWriteError, torch_save
 from strategies.dcp_checkpoint import COMPLETE_MARKER, is_sharded_checkpoint
 
 
@@ -46,8 +45,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def save_checkpoint_file(checkpoint: dict[str, Any], path: _PATH) -> None:
     """``torch.save(checkpoint)`` to ``path`` atomically; :class:`CheckpointWriteError` if it cannot be written."""
     try:
-        with atomic_path(path) as tmp, open(tmp, "wb") as stream:
-            torch.save(checkpoint, stream)  # through a Python file: a failed write raises OSError with its errno
+        torch_save(checkpoint, path)
     except Exception as exc:
         error = CheckpointWriteError(f"could not write checkpoint {os.fspath(path)!r} ({_cause(exc)}); the previous "
                                      "checkpoint is kept and no temporary file is left")

@@ -61,12 +61,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _shared_temporary_name(path: Path) -> Path:
-    """Rank 0's unique temporary name beside ``path``, the same on every rank (all of them write into it)."""
-    name = [temporary_name(path)]
+def _from_rank_zero(value: Any) -> Any:
+    """Collective: rank 0's ``value`` on every rank (``value`` itself outside a multi-process group)."""
+    box = [value]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
-    return Path(name[0])
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -80,7 +80,7 @@ def save_sharded(path: str | Path, state: dict[str, Any], metadata: dict[str, An
     All ranks must pass the same ``path`` on a shared filesystem.
     """
     path = Path(path)
-    tmp = _shared_temporary_name(path)
+    tmp = Path(_from_rank_zero(temporary_name(path)))  # one unique name, rank 0's: every rank writes into it
     try:
         if _rank() == 0:
             tmp.mkdir(parents=True)
@@ -93,7 +93,9 @@ def save_sharded(path: str | Path, state: dict[str, Any], metadata: dict[str, An
                 write_text(tmp / COMPLETE_MARKER, "every rank's shards and the metadata are written\n")
             except Exception as exc:
                 error = exc
-        if _rank_zero_failed(error is not None):  # every rank's shards are on disk before the rename publishes them
+        # Every rank raises if rank 0 failed (none waits at a barrier); every rank's shards are on disk before the
+        # rename publishes them.
+        if _from_rank_zero(error is not None):
             raise error if error is not None else OSError(f"rank 0 could not finish checkpoint {str(path)!r}")
         if _rank() == 0:
             _publish(tmp, path)
@@ -103,15 +105,6 @@ def save_sharded(path: str | Path, state: dict[str, Any], metadata: dict[str, An
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def _rank_zero_failed(failed: bool) -> bool:
-    """Collective: whether rank 0 failed to finish (so that every rank raises, none waits at a barrier)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return failed
-    flag = [failed]
-    dist.broadcast_object_list(flag, src=0)
-    return bool(flag[0])
 
 
 def _publish(tmp: Path, path: Path) -> None:
