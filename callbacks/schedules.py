@@ -78,3 +78,31 @@ class KLWeightAnnealing(CosineAttributeSchedule):
 
     def __init__(self, beta: float = 6.6, steps: int = 5_000, start: float = 0.0, attribute: str = "kl_weight") -> None:
         super().__init__(attribute, start, beta, steps, log_name="schedule/kl_weight")
+
+
+class HardCodesHandover(CosineAttributeSchedule):
+    """Hands a relaxed model over to hard codes for the last part of training: ``pl_module.hard_codes`` is 0 before
+    ``at_fraction * trainer.max_steps`` updates and 1 from there on.
+
+    A dVAE trained only on relaxed samples ends with a diffuse q(z|x) whose argmax code (what the prior is given)
+    the decoder never saw during training; with hard codes and a straight-through gradient the decoder and the
+    encoder learn the codes that will be used. ``at_fraction=1`` never hands over (the paper's relaxation).
+    """
+
+    def __init__(self, at_fraction: float = 1.0, attribute: str = "hard_codes") -> None:
+        if not 0.0 <= at_fraction <= 1.0:
+            raise ValueError(f"at_fraction={at_fraction}; expected the share of trainer.max_steps after which codes "
+                             f"are hard, in [0, 1]")
+        super().__init__(attribute, 0.0, 1.0, 0, log_name="schedule/hard_codes")
+        self.at_fraction = float(at_fraction)
+
+    @override
+    def value(self, step: int) -> float:
+        return 1.0 if step >= self.steps else 0.0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0
+        # at_fraction=1, or a run without a step budget: the handover never comes
+        self.steps = round(self.at_fraction * total) if total and self.at_fraction < 1.0 else 2**62
+        super().setup(trainer, pl_module, stage)

@@ -40,6 +40,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module, _ma
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
@@ -58,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from strategies.checkpoint_io import AtomicCheckpointIO
 from strategies.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
@@ -286,6 +288,23 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (see prepare_for_sharding)
         self._uncompressed: set[str] = set()
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
+        self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Unless one is given (``plugins=[...]``), checkpoint files are written by :class:`AtomicCheckpointIO`: a
+        temporary file beside the target, renamed over it, so an interrupted or failed save never leaves a
+        truncated ``last.ckpt`` for a resumed run to pick (Lightning's default writes in place)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif getattr(self._checkpoint_io, "checkpoint_io", False) is None:  # a wrapper (AsyncCheckpointIO) of nothing yet
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # type: ignore[attr-defined]
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -437,24 +456,61 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.device_mesh["shard"].size() > 1:
-            idle = self._check_units_ran()
-            # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
-            # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
-            # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
-            untouched = [p for name in idle for p in self._blocks[name].parameters() if p.grad is None]
-            assert self._root is not None
-            if self._root.gathered_outside:
-                # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
-                # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
-                # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
-                self._root.gathered_outside = False
-                self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-            for p in untouched:
-                p.grad = None
-            return loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Lightning's ``Strategy.backward``, with the inter-node average between the backward and
+        # ``on_after_backward`` (the precision plugin's ``post_backward``), so that hook sees averaged gradients as
+        # under ``ddp``.
+        untouched = self._before_backward(closure_loss)
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        for p in untouched:
+            p.grad = None
+        if self._reduces_in_backward():
+            self._reduced = self.reduce_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _before_backward(self, closure_loss: torch.Tensor) -> list[nn.Parameter]:
+        """Checks and hooks a node of several devices needs before its backward; returns the parameters whose
+        gradients must stay as they were (those of units no rank ran)."""
+        if self.device_mesh["shard"].size() == 1:
+            return []
+        idle = self._check_units_ran()
+        # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
+        # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
+        # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
+        untouched = [p for name in idle for p in self._blocks[name].parameters() if p.grad is None]
+        assert self._root is not None
+        if self._root.gathered_outside:
+            # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
+            # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
+            # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
+            self._root.gathered_outside = False
+            self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
+        return untouched
+
+    def _reduces_in_backward(self) -> bool:
+        """Whether this backward ends with the inter-node average (else ``optimizer_step`` runs it).
+
+        Only the last micro-batch of an automatic step averages (``block_backward_sync`` covers the others). Under
+        manual optimisation the step may follow several backwards, and PowerSGD must compress their sum once.
+        Under a loss-scaling precision (``GradScaler``, per-block scales) the gradients must be unscaled before
+        compression, which Lightning does only in the step: there the average waits for it, and
+        ``on_after_backward`` sees this node's scaled gradients (they are scaled under ``ddp`` too).
+        """
+        module = self.lightning_module
+        precision = self.precision_plugin
+        scaled = isinstance(precision, UnscalingPrecision) or getattr(precision, "scaler", None) is not None
+        return (self._synchronised_step and self.world_size > 1 and module is not None
+                and module.automatic_optimization and not scaled)
+
+    def _take_reduction(self) -> bool:
+        """The result of this step's inter-node average: the one the backward ran, or run it now."""
+        reduced, self._reduced = self._reduced, None
+        return self.reduce_gradients() if reduced is None else reduced
 
     def _check_units_ran(self) -> list[str]:
         """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
@@ -523,6 +579,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
     ) -> Any:
         # Run forward/backward first, so the inter-node average (and the skip decision) sits between the
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
+        self._reduced = None
         result = closure()
         precision = self.precision_plugin
         if isinstance(precision, MixedPrecision) and precision.scaler is not None:
@@ -532,10 +589,10 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
             # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
             # collectives or none does.
-            if precision.unscale_and_flag(optimizer) and not self.reduce_gradients():
+            if precision.unscale_and_flag(optimizer) and not self._take_reduction():
                 precision.mark_nonfinite()
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-        if not self.reduce_gradients():
+        if not self._take_reduction():
             optimizer.zero_grad(set_to_none=True)
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
@@ -554,7 +611,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             return result
         scaler = precision.scaler
         scaler.unscale_(optimizer)
-        if not self.reduce_gradients():
+        if not self._take_reduction():
             for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
                 found_inf.fill_(1.0)
         precision._after_closure(model, optimizer)  # on_before_optimizer_step and clipping, on unscaled gradients

@@ -77,3 +77,19 @@ def test_sharded_writer_marks_completion_last_and_cleans_up_on_failure(tmp_path:
     from strategies.dcp_checkpoint import load_sharded
 
     assert load_sharded(target, loaded)["global_step"] == 1 and torch.equal(loaded["w"], torch.arange(4.0))
+
+
+def test_strategy_writes_checkpoints_atomically_unless_given_another_writer() -> None:
+    """A project that passes only ``strategy=ShardedPowerSGDStrategy()`` gets the atomic writer; one it passes
+    itself (or wraps, as ``AsyncCheckpointIO`` does) is kept."""
+    from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
+
+    from strategies.sharded_powersgd import ShardedPowerSGDStrategy
+
+    assert type(ShardedPowerSGDStrategy().checkpoint_io) is AtomicCheckpointIO
+    given = ShardedPowerSGDStrategy()
+    given.checkpoint_io = TorchCheckpointIO()
+    assert type(given.checkpoint_io) is TorchCheckpointIO
+    wrapped = ShardedPowerSGDStrategy()
+    wrapped.checkpoint_io = AsyncCheckpointIO()
+    assert type(wrapped.checkpoint_io.checkpoint_io) is AtomicCheckpointIO

@@ -126,6 +126,39 @@ def test_gumbel_relaxation_carries_gradients_into_the_encoder() -> None:
     assert grad is not None and grad.abs().sum() > 0
 
 
+def test_hard_codes_decode_the_argmax_and_pass_gradients_straight_through() -> None:
+    """``hard=True`` trains the decoder on the codes ``get_codebook_indices`` hands the prior (its reconstruction is
+    the argmax decode, with no noise), while the encoder still gets a gradient through the softmax."""
+    model = tiny()
+    x = images()
+    out = model(x, temperature=0.5, kl_weight=0.0, hard=True)
+    with torch.no_grad():
+        torch.testing.assert_close(out["recon"], model.decode_indices(model.get_codebook_indices(x)))
+    out["loss"].backward()
+    grad = model.encoder.blocks.input.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def test_hard_codes_handover_switches_at_its_share_of_the_run(tmp_path: str) -> None:
+    from callbacks.schedules import HardCodesHandover
+
+    seen: list[tuple[int, float]] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            seen.append((trainer.global_step, pl_module.hard_codes))
+
+    module = DVAEModule(tiny(), optimizer=functools.partial(torch.optim.Adam, lr=1e-3))
+    loader = DataLoader([{"image": t} for t in images(8)], batch_size=2)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[HardCodesHandover(at_fraction=0.75), Record()])
+    trainer.fit(module, loader)
+    assert [v for _, v in seen] == [0.0] * 6 + [1.0] * 2
+    with pytest.raises(ValueError, match=r"at_fraction=1.5; expected the share of trainer.max_steps"):
+        HardCodesHandover(at_fraction=1.5)
+
+
 def test_gumbel_relaxation_samples_the_codes_distribution() -> None:
     """Gumbel-max: the argmax of the relaxed sample at any temperature is drawn from softmax(logits), as with
     ``F.gumbel_softmax``; and the noise stays finite."""

@@ -28,9 +28,8 @@ from tests.helpers.distributed import WorkerError, run_distributed
 # Largest difference to ddp the arithmetic allows, by layout; 16-bit cases by their format's rounding.
 TOLERANCE = {"dpn2": 1e-5, "dpn1": 1e-4}
 LOOSE = {"precision_bf16_mixed": 2e-2, "precision_bf16_true": 5e-2, "precision_16_mixed_gradscaler": 5e-3}
-# Documented differences (docs/plugins.md): keys of a case a layout need not match. Between nodes the average
-# arrives after the backward, before ``on_before_optimizer_step``: ``on_after_backward`` sees this node's gradients.
-DOCUMENTED: dict[tuple[str, str], set[str]] = {("hook_gradients", "dpn1"): {"on_after_backward"}}
+# Documented differences (docs/plugins.md): keys of a case a layout need not match.
+DOCUMENTED: dict[tuple[str, str], set[str]] = {}
 
 # Behaviours the strategy refuses, with the one-line error that names the limit and the way out.
 REFUSED: dict[tuple[str, str], str] = {

@@ -71,6 +71,8 @@ class DVAEModule(FusedOptimizerClipping):
         relaxed = getattr(model, "relaxed", True)
         self.temperature: float | None = float(temperature) if relaxed else None
         self.kl_weight: float | None = float(kl_weight) if relaxed else None
+        # 1: decode argmax codes with a straight-through gradient (set by callbacks.schedules.HardCodesHandover)
+        self.hard_codes: float | None = 0.0 if relaxed else None
         self.val_mse = MeanSquaredError()
         self.val_psnr = PeakSignalNoiseRatio(data_range=1.0)
         self.val_perplexity = CodebookPerplexity(model.vocab_size)
@@ -90,7 +92,8 @@ class DVAEModule(FusedOptimizerClipping):
         images = images.contiguous(memory_format=self.memory_format)
         if self.temperature is None:  # no relaxation, no KL (FSQ)
             return self.model(images)
-        return self.model(images, temperature=self.temperature, kl_weight=self.kl_weight)
+        return self.model(images, temperature=self.temperature, kl_weight=self.kl_weight,
+                          hard=bool(self.hard_codes) and self.training)
 
     @staticmethod
     def _images(batch: dict[str, Any]) -> torch.Tensor:

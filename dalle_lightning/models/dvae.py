@@ -319,8 +319,14 @@ class DiscreteVAE(nn.Module):
         nll = math.log(2.0) + log_b + torch.log(x * (1 - x)) + (torch.logit(x) - mu).abs() * torch.exp(-log_b)
         return nll.mean()
 
-    def forward(self, images: torch.Tensor, temperature: float = 1.0, kl_weight: float = 0.0) -> dict[str, torch.Tensor]:
+    def forward(self, images: torch.Tensor, temperature: float = 1.0, kl_weight: float = 0.0,
+                hard: bool = False) -> dict[str, torch.Tensor]:
         """Relaxed negative ELB per pixel value: recon_loss + kl_weight * kl.
+
+        ``hard=True`` decodes the argmax codes (what ``dalle-encode`` hands the prior) and passes the gradient
+        through ``softmax(logits / temperature)`` (a straight-through estimator without noise): the decoder then
+        learns from the codes it will be given, not from samples among the near-equivalent codes a diffuse
+        q(z|x) spreads over.
 
         ``kl`` is KL(q(z|x) || uniform over K) summed over the h*w latents and divided by the C*H*W pixel
         values, the normalisation of ``recon_loss`` (the paper's 256*256*3), so beta is comparable across sizes.
@@ -330,8 +336,11 @@ class DiscreteVAE(nn.Module):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} is not positive; expected a Gumbel-softmax tau > 0")
         logits = self.encode(images)
-        # hard=False: the relaxed sample is used in the forward pass too, as in the paper.
-        z = gumbel_softmax(logits, tau=temperature, dim=1)
+        if hard:
+            soft = (logits / temperature).softmax(dim=1)
+            z = F.one_hot(logits.argmax(dim=1), self.vocab_size).permute(0, 3, 1, 2).to(soft) - soft.detach() + soft
+        else:  # the relaxed sample is used in the forward pass too, as in the paper
+            z = gumbel_softmax(logits, tau=temperature, dim=1)
         stats = self.decoder(z).float()
         recon_loss = self.logit_laplace_nll(stats, images)
         log_q = F.log_softmax(logits, dim=1)
