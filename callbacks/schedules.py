@@ -74,10 +74,37 @@ class TemperatureAnnealing(CosineAttributeSchedule):
 
 
 class KLWeightAnnealing(CosineAttributeSchedule):
-    """KL weight beta, cosine from 0 to ``beta`` over a warm-up, then constant (paper: 6.6 over 5,000 updates)."""
+    """KL weight beta, cosine from 0 to ``beta`` over a warm-up, then constant (paper: 6.6 over 5,000 updates).
 
-    def __init__(self, beta: float = 6.6, steps: int = 5_000, start: float = 0.0, attribute: str = "kl_weight") -> None:
+    ``fall_at_fraction < 1`` adds a second cosine from ``beta`` down to ``final`` between that share of
+    ``trainer.max_steps`` and its end: without the pull towards the uniform prior q(z|x) sharpens, so the codes
+    the decoder trains on at the end approach the argmax codes the prior is given.
+    """
+
+    def __init__(self, beta: float = 6.6, steps: int = 5_000, start: float = 0.0, attribute: str = "kl_weight",
+                 fall_at_fraction: float = 1.0, final: float = 0.0) -> None:
+        if not 0.0 <= fall_at_fraction <= 1.0:
+            raise ValueError(f"fall_at_fraction={fall_at_fraction}; expected the share of trainer.max_steps where "
+                             f"the KL weight starts to fall, in [0, 1]")
         super().__init__(attribute, start, beta, steps, log_name="schedule/kl_weight")
+        self.fall_at_fraction = float(fall_at_fraction)
+        self.final = float(final)
+        self._fall = (0, 0)  # (first update of the fall, its length); none until setup knows max_steps
+
+    @override
+    def value(self, step: int) -> float:
+        first, length = self._fall
+        if length and step >= first:
+            return cosine(step - first, self.end, self.final, length)
+        return super().value(step)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0
+        if total and self.fall_at_fraction < 1.0:
+            first = max(round(self.fall_at_fraction * total), self.steps)
+            self._fall = (first, max(total - first, 1))
+        super().setup(trainer, pl_module, stage)
 
 
 class HardCodesHandover(CosineAttributeSchedule):

@@ -1,8 +1,8 @@
 """``make demo``: the whole pipeline on the embedded shapes world, each step a real command-line call.
 
-Steps: shapes world -> tokenizer -> dVAE -> token shards -> CLIP -> prior (and a short run of it under the Strategy
-and the Precision plugin on 2 processes) -> generated grid + caption
-accuracy. Each step reuses what an earlier run already wrote (pass ``force=true`` to retrain everything).
+Steps: shapes world -> tokenizer -> dVAE -> token shards -> CLIP -> prior, trained under the project's Strategy and
+Precision plugin on 2 processes (after a short timed single-process run it is measured against) -> generated grid
++ caption accuracy. Each step reuses what an earlier run already wrote (pass ``force=true`` to retrain everything).
 Prints each step's wall time and where its outputs are, and writes them to ``<out_dir>/demo.json``.
 
 Usage: ``python -m dalle_lightning.demo [out_dir=outputs/demo] [force=true] [steps=data,tokenizer,dvae]
@@ -28,13 +28,16 @@ STEPS: dict[str, list[str]] = {
     "dvae": ["dalle_lightning.cli.train", "stage=dvae", TIMER],
     "encode": ["dalle_lightning.cli.encode"],
     "clip": ["dalle_lightning.cli.train", "stage=clip", TIMER],
-    "prior": ["dalle_lightning.cli.train", "stage=prior", TIMER],
-    # The same stage for a few updates under the project's Strategy and Precision plugin, on 2 processes (2 simulated
-    # nodes of 1 device, PowerSGD between them, per-resblock bf16 scales), so the demo exercises them end to end.
-    "prior_plugins": ["dalle_lightning.cli.train", "stage=prior", TIMER, "strategy=sharded_powersgd",
-                      "strategy.devices_per_node=1", "trainer.devices=2", "precision=resblock16", "precision.dtype=bf16",
-                      "data.batch_size=16", "trainer.max_steps=80", "callbacks.fid=null", "callbacks.sample_grid=null",
-                      "output=${paths.work_dir}/prior_plugins.pt"],
+    # The prior at its reference: one process in Lightning's bf16-mixed at the prior stage's global batch, a short
+    # timed run without validation, so the demo reports the plugins' speed against it from the same machine and hour.
+    "prior_reference": ["dalle_lightning.cli.train", "stage=prior", TIMER, "trainer.max_steps=120",
+                        "trainer.limit_val_batches=0", "callbacks.fid=null", "callbacks.sample_grid=null",
+                        "output=${paths.work_dir}/prior_reference.pt"],
+    # The prior under the project's Strategy and Precision plugin: 2 processes as 2 simulated nodes of 1 device
+    # (PowerSGD between them), per-resblock bf16 scales, 16 per process: the global batch of 32 above.
+    "prior": ["dalle_lightning.cli.train", "stage=prior", TIMER, "strategy=sharded_powersgd",
+              "strategy.devices_per_node=1", "trainer.devices=2", "precision=resblock16", "precision.dtype=bf16",
+              "data.batch_size=16"],
     "generate": ["dalle_lightning.cli.generate"],
     # 50 + 50 fresh captions, best of up to 16: a fraction of the dalle-eval defaults' time (docs/results.md)
     "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
@@ -60,18 +63,18 @@ def parse(argv: list[str]) -> dict[str, str]:
     return args
 
 
-def training_rates(work: Path) -> dict[str, float]:
-    """Updates per second of each training stage's newest run (its metrics.json; validation excluded): the
-    demo's time per step, which its wall times mix with start-up, validation and evaluation."""
-    rates = {}
-    for run in sorted((work / "runs").glob("*/*/metrics.json")):
-        blob = json.loads(run.read_text())
-        rate = blob.get("metrics", {}).get("time/updates_per_s")
+def metrics_files(work: Path) -> set[Path]:
+    return set(work.glob("runs/*/*/metrics.json"))
+
+
+def training_rate(new_runs: set[Path]) -> float | None:
+    """Updates per second of the training run a demo step just wrote (its metrics.json; validation excluded): the
+    time per step, which the step's wall time mixes with start-up, validation and evaluation. None if it reused."""
+    for run in sorted(new_runs):
+        rate = json.loads(run.read_text()).get("metrics", {}).get("time/updates_per_s")
         if rate is not None:
-            stage = run.parent.parent.name
-            key = f"{stage}_plugins" if "strategy=sharded_powersgd" in blob.get("overrides", []) else stage
-            rates[key] = round(rate, 2)
-    return rates
+            return round(float(rate), 2)
+    return None
 
 
 def waterfall_lines(work: Path) -> dict[str, str]:
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args["out_dir"]).resolve()
     force = args["force"].lower() == "true"
     timings: dict[str, float] = {}
+    rates: dict[str, float] = {}
     for step in args["steps"].split(","):
         module, *overrides = STEPS[step]
         overrides.append(f"paths.work_dir={work}")
@@ -100,15 +104,21 @@ def main(argv: list[str] | None = None) -> None:
         if force and force_key:
             overrides.append(f"{force_key}=true")
         print(f"== {step}: python -m {module} {' '.join(overrides)}", flush=True)
-        start = time.perf_counter()
+        start, before = time.perf_counter(), metrics_files(work)
         result = subprocess.run([sys.executable, "-m", module, *overrides])
         timings[step] = round(time.perf_counter() - start, 1)
         if result.returncode != 0:
             raise SystemExit(f"error: demo step {step!r} failed with exit code {result.returncode}")
-        print(f"== {step}: {timings[step]} s", flush=True)
+        rate = training_rate(metrics_files(work) - before)
+        if rate is not None:
+            rates[step] = rate
+        print(f"== {step}: {timings[step]} s" + (f", {rate} updates/s" if rate is not None else ""), flush=True)
     summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
-               "updates_per_s": training_rates(work)}
-    for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "prior_plugins.pt", "samples",
+               "updates_per_s": rates}
+    if "prior" in rates and "prior_reference" in rates:
+        # the plugins' prior against one process in bf16-mixed at the same global batch, this run, this machine
+        summary["prior_plugins_vs_one_process"] = round(rates["prior"] / rates["prior_reference"], 3)
+    for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "samples",
                  "eval.json", "eval_waterfall.png"):
         if (work / name).exists():
             summary.setdefault("outputs", {})[name] = str(work / name)
