@@ -50,7 +50,7 @@ def run(work: Path, overrides: list[str], steps: int, scratch: Path) -> dict[str
     if done.returncode != 0:
         raise SystemExit(f"error: {' '.join(overrides)} failed:\n{done.stderr[-2000:]}")
     metrics = json.loads((run_dir / "metrics.json").read_text())["metrics"]
-    return {k: float(v) for k, v in metrics.items() if k.startswith(("time/", "powersgd/", "train/loss"))}
+    return {k: float(v) for k, v in metrics.items() if k.startswith(("time/", "powersgd/", "strategy/", "train/loss"))}
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -73,7 +74,7 @@ from strategies.dcp_checkpoint import (
 from strategies.dtypes import resolve_dtype
 from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 from strategies.mesh import build_mesh
-from strategies.powersgd import PowerSGD
+from strategies.powersgd import PowerSGD, finite_per_tensor
 from strategies.prefetch import apply_prefetch
 from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
 
@@ -289,6 +290,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._uncompressed: set[str] = set()
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
+        self._reduce_time = [0.0, 0]  # seconds in reduce_gradients and its calls (after the first), for the stats
+        self._exchange_figures: dict[str, float] = {}  # the last fit's, see exchange_figures()
 
     @property
     @override
@@ -625,6 +628,16 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
         """
         assert self.powersgd is not None and self.lightning_module is not None
+        start = time.perf_counter()
+        ok = self._reduce_gradients()
+        if self.powersgd.stats.steps + self.powersgd.stats.skipped_steps > 1:  # the first allocates its buffers
+            self._reduce_time[0] += time.perf_counter() - start
+            self._reduce_time[1] += 1
+        self._log_stats()
+        return ok
+
+    def _reduce_gradients(self) -> bool:
+        assert self.powersgd is not None and self.lightning_module is not None
         self._fill_unused_grads()
         if not self._average_replicated():
             self.powersgd.stats.record_skip()  # so callbacks counting skips (NonFiniteGuard) see this one too
@@ -637,9 +650,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if local.numel():
                 named.append((name, local))
-        ok = self.powersgd.reduce(named, uncompressed=self._uncompressed)
-        self._log_stats()
-        return ok
+        return self.powersgd.reduce(named, uncompressed=self._uncompressed)
 
     @torch.no_grad()
     def replica_divergence(self) -> float:
@@ -691,7 +702,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             flat.div_(self.world_size)
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view(g.shape))
-        return bool(torch.isfinite(flat).all())
+        return bool(finite_per_tensor([flat]).all())
 
     def _log_stats(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -709,6 +720,26 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.powersgd is None:
+            return
+        # Kept here: a later trainer.validate() sets the strategy up again with a fresh compressor.
+        stats = self.powersgd.stats
+        self._exchange_figures = {"powersgd/inter_node_bytes_per_rank": float(stats.bytes_sent_last_step),
+                                  "powersgd/uncompressed_bytes_per_rank": float(stats.uncompressed_bytes_last_step)}
+        seconds, calls = self._reduce_time
+        if calls:
+            self._exchange_figures["strategy/reduce_ms_per_step"] = 1e3 * seconds / calls
+
+    def exchange_figures(self) -> dict[str, float]:
+        """The last fit's gradient exchange, for a run's report: bytes this rank sent between nodes in the last
+        step, against the uncompressed gradient, and the wall time of the exchange per step (the inter-node
+        average, replicated parameters, unused-gradient flags), which against the step time is the share of the
+        step that is communication."""
+        return dict(self._exchange_figures)
 
     # ------------------------------------------------------------------ state dicts and checkpoints
 

@@ -19,3 +19,38 @@ def test_unknown_argument_and_step_are_one_line_errors() -> None:
         parse(["epochs=3"])
     with pytest.raises(SystemExit, match=r"unknown demo step\(s\) \['train'\]"):
         parse(["steps=data,train"])
+
+
+def test_every_training_step_composes_as_the_demo_passes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The prior steps' overrides (under both plugins, and its single-process reference) compose into a config,
+    with the paths the demo adds: a typo in STEPS fails here, not after the demo's first 10 minutes. (The other
+    steps pass only a stage and the timer.)"""
+    import subprocess
+    import sys
+
+    from dalle_lightning.demo import STEPS
+
+    for step, (module, *overrides) in STEPS.items():
+        if not step.startswith("prior"):
+            continue
+        done = subprocess.run([sys.executable, "-m", module, *overrides, f"paths.work_dir={tmp_path}",
+                               "experiment=shapes", "--cfg", "job"], capture_output=True, text=True)
+        assert done.returncode == 0, f"{step}: {done.stderr[-800:]}"
+        if step == "prior":
+            assert "devices_per_node: 1" in done.stdout and "batch_size: 16" in done.stdout
+
+
+def test_a_step_reports_the_rate_of_the_run_it_wrote(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from dalle_lightning.demo import metrics_files, training_rate
+
+    old = tmp_path / "runs" / "prior" / "a" / "metrics.json"
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps({"metrics": {"time/updates_per_s": 9.0}}))
+    before = metrics_files(tmp_path)
+    new = tmp_path / "runs" / "prior" / "b" / "metrics.json"
+    new.parent.mkdir(parents=True)
+    new.write_text(json.dumps({"metrics": {"time/updates_per_s": 6.789}}))
+    assert training_rate(metrics_files(tmp_path) - before) == 6.79
+    assert training_rate(set()) is None  # a step that reused its artifact trained nothing

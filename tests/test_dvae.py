@@ -282,3 +282,20 @@ def test_grid_is_logged_to_tensorboard(tmp_path: str) -> None:
 def test_grid_callback_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="num_images=0"):
         ReconstructionGrid(num_images=0)
+
+
+def test_kl_weight_rises_then_falls_over_its_share_of_the_run() -> None:
+    from types import SimpleNamespace
+
+    from callbacks.schedules import KLWeightAnnealing
+
+    schedule = KLWeightAnnealing(beta=6.6, steps=10, fall_at_fraction=0.5, final=0.0)
+    module = SimpleNamespace(kl_weight=0.0)
+    schedule.setup(SimpleNamespace(max_steps=100, global_step=0), module, "fit")  # type: ignore[arg-type]
+    values = [schedule.value(s) for s in (0, 5, 10, 49, 50, 75, 100)]
+    assert values == pytest.approx([0.0, 3.3, 6.6, 6.6, 6.6, 3.3, 0.0])
+    paper = KLWeightAnnealing(beta=6.6, steps=10)  # fall_at_fraction=1: constant after the warm-up
+    paper.setup(SimpleNamespace(max_steps=100, global_step=0), module, "fit")  # type: ignore[arg-type]
+    assert paper.value(100) == pytest.approx(6.6)
+    with pytest.raises(ValueError, match=r"fall_at_fraction=2.0; expected the share"):
+        KLWeightAnnealing(fall_at_fraction=2.0)

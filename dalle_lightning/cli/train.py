@@ -112,6 +112,9 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
         trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    figures = getattr(trainer.strategy, "exchange_figures", None)  # ShardedPowerSGDStrategy: bytes, exchange time
+    if callable(figures):
+        metrics.update(figures())
     for callback in callbacks:  # e.g. callbacks.step_timer.StepTimer: training rate without validation
         rate = getattr(callback, "updates_per_s", None)
         if isinstance(rate, float):
