@@ -4,7 +4,8 @@ applies to, read from the config files themselves so that a new option is compos
 Which stages an option applies to, first rule that places it:
 
 1. an option named after a stage (``data/dvae``, ``model/prior_paper``, ``sweep/dvae_grid``) applies to that stage;
-2. an option whose defaults list overrides ``/model`` (``experiment/paper_dvae``) applies to that model's stage;
+2. an option whose defaults list overrides ``/model`` (``experiment/paper_dvae``) applies to that model's stage
+   (to every stage when it picks the model by ``${stage}``, as ``experiment/shapes_long``);
 3. a base that other options of its group list in their defaults (``data/images``, ``callbacks/common``,
    ``trainer/cpu``) applies to every stage those options apply to;
 4. an option of a group that only the Trainer reads (trainer, strategy, precision, logger) applies to the stages
@@ -96,6 +97,8 @@ def applicable(group: str, option: str) -> set[str]:
         return {stage}
     for entry in defaults_of(group, option):
         if isinstance(entry, dict) and "override /model" in entry:
+            if "${stage}" in entry["override /model"]:  # a network per stage (experiment/shapes_long): every stage
+                return set(stages())
             return applicable("model", entry["override /model"])
     users = [o for o in groups()[group] if option in defaults_of(group, o)]
     if users:
