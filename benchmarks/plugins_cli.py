@@ -12,7 +12,7 @@ sides alike; ``ratio`` is the median of the per-pair ratios a / b.
 - ``demo``: the demo's prior stage (2 processes, both plugins, batch 16 per process) against one process in
   ``bf16-mixed`` at the same global batch 32.
 
-Usage: ``python benchmarks/plugins_cli.py outputs/demo [--pairs 3] [--steps 120] [--only precision strategy demo]``.
+Usage: ``python benchmarks/plugins_cli.py [outputs/demo] [--pairs 3] [--steps 120] [--only precision strategy demo]``.
 The per-step split of the plugin's own work is ``benchmarks/plugins_overhead.py``.
 """
 
@@ -55,12 +55,16 @@ def run(work: Path, overrides: list[str], steps: int, scratch: Path) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("work_dir", type=Path, help="the demo's out_dir (world, tokens, tokenizer, dvae, clip)")
+    parser.add_argument("work_dir", type=Path, nargs="?", default=Path("outputs/demo"),
+                        help="the demo's out_dir (world, tokens, tokenizer, dvae, clip); default outputs/demo")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
     args = parser.parse_args()
     work = args.work_dir.resolve()
+    missing = [n for n in ("world", "tokens", "tokenizer.json", "dvae.pt", "clip.pt") if not (work / n).exists()]
+    if missing:
+        raise SystemExit(f"error: {work} has no {', '.join(missing)}; run `make demo` (or pass its out_dir) first")
     report: dict[str, object] = {"work_dir": str(work), "steps": args.steps, "pairs": args.pairs}
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.only:
