@@ -22,9 +22,9 @@ def test_unknown_argument_and_step_are_one_line_errors() -> None:
 
 
 def test_every_training_step_composes_as_the_demo_passes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The prior steps' overrides (under both plugins, and its single-process reference) compose into a config,
-    with the paths the demo adds: a typo in STEPS fails here, not after the demo's first 10 minutes. (The other
-    steps pass only a stage and the timer.)"""
+    """The prior steps' overrides (the prior, and its run under both plugins) compose into a config, with the paths
+    the demo adds: a typo in STEPS fails here, not after the demo's first 10 minutes. (The other steps pass only a
+    stage and the timer.)"""
     import subprocess
     import sys
 
@@ -36,7 +36,7 @@ def test_every_training_step_composes_as_the_demo_passes_it(tmp_path) -> None:  
         done = subprocess.run([sys.executable, "-m", module, *overrides, f"paths.work_dir={tmp_path}",
                                "experiment=shapes", "--cfg", "job"], capture_output=True, text=True)
         assert done.returncode == 0, f"{step}: {done.stderr[-800:]}"
-        if step == "prior":
+        if step == "prior_plugins":
             assert "devices_per_node: 1" in done.stdout and "batch_size: 16" in done.stdout
 
 
