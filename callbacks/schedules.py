@@ -23,6 +23,11 @@ def cosine(step: int, start: float, end: float, steps: int) -> float:
     return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
 
 
+def step_budget(trainer: pl.Trainer) -> int:
+    """The run's ``max_steps``, or 0 when it has none (-1 or unset): a schedule placed by a share of the run."""
+    return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0
+
+
 class CosineAttributeSchedule(pl.Callback):
     """Sets ``pl_module.<attribute>`` from a cosine schedule before every training batch and logs it.
 
@@ -100,7 +105,7 @@ class KLWeightAnnealing(CosineAttributeSchedule):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0
+        total = step_budget(trainer)
         if total and self.fall_at_fraction < 1.0:
             first = max(round(self.fall_at_fraction * total), self.steps)
             self._fall = (first, max(total - first, 1))
@@ -129,7 +134,7 @@ class HardCodesHandover(CosineAttributeSchedule):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0
+        total = step_budget(trainer)
         # at_fraction=1, or a run without a step budget: the handover never comes
         self.steps = round(self.at_fraction * total) if total and self.at_fraction < 1.0 else 2**62
         super().setup(trainer, pl_module, stage)
