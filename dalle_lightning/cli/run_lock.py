@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 _held: dict[str, int] = {}  # lock file -> open descriptor, for as long as this process holds it
+_issued: set[str] = set()  # run ids this process has named: never twice, however many fall in one second
 
 
 def run_id() -> str:
@@ -33,7 +34,11 @@ def run_id() -> str:
     pinned = os.environ.get("DALLE_RUN_ID")
     if pinned:
         return pinned
-    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(2)}"
+    while True:  # 4 random hex digits collide within 50 draws 2% of the time: this process never repeats one
+        name = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(2)}"
+        if name not in _issued:
+            _issued.add(name)
+            return name
 
 
 def launching_process() -> bool:
