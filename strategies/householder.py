@@ -32,3 +32,22 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     signs = torch.sign(torch.diagonal(reflectors, dim1=-2, dim2=-1))
     signs = torch.where(signs == 0, torch.ones_like(signs), signs)
     return q * signs.unsqueeze(-2)
+
+
+def orthogonalize_all(ps: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
+    """:func:`orthogonalize` for each matrix of ``ps``, one batched QR per distinct shape.
+
+    A model repeats a few weight shapes over its layers; one LAPACK call per shape instead of one per matrix
+    saves the per-call overhead that dominates for P factors of a few columns.
+    """
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(ps):
+        by_shape.setdefault(tuple(p.shape), []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(ps)
+    for indices in by_shape.values():
+        if len(indices) == 1:
+            out[indices[0]] = orthogonalize(ps[indices[0]], eps)
+            continue
+        for i, q in zip(indices, orthogonalize(torch.stack([ps[i] for i in indices]), eps).unbind()):
+            out[i] = q
+    return out

@@ -334,7 +334,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), **self._powersgd_kwargs)
+        self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), dense_with_p=True, **self._powersgd_kwargs)
         self._reduce_time = [0.0, 0]  # timed per fit, like the compressor's own counters
 
     # ------------------------------------------------------------------ model setup
@@ -639,10 +639,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     def _reduce_gradients(self) -> bool:
         assert self.powersgd is not None and self.lightning_module is not None
-        self._fill_unused_grads()
-        if not self._average_replicated():
-            self.powersgd.stats.record_skip()  # so callbacks counting skips (NonFiniteGuard) see this one too
-            return False
+        finite = self._agree_flags()
+        if finite and not self._average_replicated():
+            finite = False
         replicated = {id(p) for p in self._replicated}
         named = []
         for name, p in self.lightning_module.named_parameters():
@@ -651,7 +650,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if local.numel():
                 named.append((name, local))
-        return self.powersgd.reduce(named, uncompressed=self._uncompressed)
+        # The skip decision was agreed above over every rank, which is PowerSGD's skip group (WORLD).
+        return self.powersgd.reduce(named, uncompressed=self._uncompressed, finite=finite)
 
     @torch.no_grad()
     def replica_divergence(self) -> float:
@@ -673,22 +673,31 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         return float(worst.item())
 
     @torch.no_grad()
-    def _fill_unused_grads(self) -> None:
-        """``ddp(find_unused_parameters=True)``: a whole parameter another rank has a gradient for gets zeros here.
+    def _agree_flags(self) -> bool:
+        """One MAX all-reduce over every rank for two answers; returns whether every gradient everywhere is finite.
 
-        Every rank must then pass the same gradients to the collectives (a branch only some ranks take would
-        otherwise mismatch them); one that no rank used keeps ``grad=None``, so the optimizer leaves it alone,
-        as under ``ddp``. Sharded parameters get the same treatment from FSDP2 (``reduce_scatter_unused_params``).
+        - ``ddp(find_unused_parameters=True)``: a whole parameter another rank has a gradient for gets zeros here.
+          Every rank must then pass the same gradients to the collectives (a branch only some ranks take would
+          otherwise mismatch them); one that no rank used keeps ``grad=None``, so the optimizer leaves it alone,
+          as under ``ddp``. Sharded parameters get the same treatment from FSDP2 (``reduce_scatter_unused_params``).
+        - The skip decision: PowerSGD's own would cost a second collective at the same point.
         """
         assert self.lightning_module is not None
-        whole = [p for p in self.lightning_module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if not whole or self.world_size == 1:
-            return
-        flags = torch.tensor([p.grad is not None for p in whole], dtype=torch.float32, device=self.root_device)
+        params = list(self.lightning_module.parameters())
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        device = self.root_device
+        bad = (~finite_per_tensor(grads).all()).reshape(1) if grads else torch.zeros(1, dtype=torch.bool, device=device)
+        whole = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
+        if self.world_size == 1:
+            return not bool(bad.item())
+        used = torch.tensor([p.grad is not None for p in whole], dtype=torch.float32, device=device)
+        flags = torch.cat([used, bad.to(device=device, dtype=torch.float32)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        for p, used in zip(whole, flags.tolist()):
-            if used and p.grad is None:
+        *anywhere_used, anywhere_bad = flags.tolist()
+        for p, was_used in zip(whole, anywhere_used):
+            if was_used and p.grad is None:
                 p.grad = torch.zeros_like(p)
+        return not anywhere_bad
 
     @torch.no_grad()
     def _average_replicated(self) -> bool:
