@@ -12,7 +12,8 @@ sides alike; ``ratio`` is the median of the per-pair ratios a / b.
 - ``demo``: the demo's prior stage (2 processes, both plugins, batch 16 per process) against one process in
   ``bf16-mixed`` at the same global batch 32.
 
-Usage: ``python benchmarks/plugins_cli.py [outputs/demo] [--pairs 3] [--steps 120] [--only precision strategy demo]``.
+Usage: ``python benchmarks/plugins_cli.py [outputs/demo] [--pairs 3] [--steps 120] [--only precision strategy demo]
+[--plugin-overrides strategy.powersgd_rank=32]`` (the last: more overrides for the plugin side of every pair).
 The per-step split of the plugin's own work is ``benchmarks/plugins_overhead.py``.
 """
 
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
+    parser.add_argument("--plugin-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more Hydra overrides for the plugin side of every pair, e.g. strategy.powersgd_rank=32")
     args = parser.parse_args()
     work = args.work_dir.resolve()
     missing = [n for n in ("world", "tokens", "tokenizer.json", "dvae.pt", "clip.pt") if not (work / n).exists()]
@@ -69,6 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.only:
             a, b = COMPARISONS[name]
+            a = a + args.plugin_overrides
             runs: list[tuple[dict[str, float], dict[str, float]]] = []
             for _ in range(args.pairs):
                 runs.append((run(work, a, args.steps, Path(scratch)), run(work, b, args.steps, Path(scratch))))
