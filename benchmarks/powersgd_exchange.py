@@ -1,8 +1,8 @@
 """What one PowerSGD exchange costs on the demo prior's gradients, and of what it is made, as JSON.
 
 Two gloo processes on 127.0.0.1, one thread each (2 simulated nodes of one device, as ``strategy.devices_per_node=1``
-with ``trainer.devices=2``), random gradients of the prior's shapes (``conf/model/prior_shapes.yaml``, 512 image
-codes), embeddings sent uncompressed as the strategy does. Per PowerSGD rank:
+with ``trainer.devices=2``), random gradients of the demo prior's shapes (``prior_throughput.py``'s ``demo``, with the demo
+tokenizer's 350 words), embeddings sent uncompressed as the strategy does. Per PowerSGD rank:
 
 - ``reduce_ms``: ``PowerSGD.reduce`` as the strategy calls it (skip decision agreed beforehand, dense gradients in
   P's all-reduce), median over the exchanges, each started after a barrier so that neither process waits for the
@@ -35,10 +35,11 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from dalle_lightning.models.prior import DallePrior  # noqa: E402
+from prior_throughput import SHAPES  # noqa: E402
 from strategies.powersgd import PowerSGD, finite_per_tensor, plan_rank  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
-PRIOR = dict(text_vocab_size=350, text_len=20, image_vocab_size=512, image_grid=8, n_layer=6, n_head=4, d_head=32)
+PRIOR = {**SHAPES["demo"][0], "text_vocab_size": 350}  # the demo tokenizer's 350 words
 
 
 def prior_gradients(seed: int) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:

@@ -11,10 +11,17 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("replicate", "shard")
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (in-place edits reach the DTensor), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def mesh_shape(world_size: int, devices_per_node: int) -> tuple[int, int]:

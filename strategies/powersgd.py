@@ -299,10 +299,8 @@ class PowerSGD:
         new_qts = self._grouped_mean([p.T @ m for m, p in zip(mats, ps)])
 
         for (name, g, _), m, p, qt in zip(items, mats, ps, new_qts):
-            g2 = g.view(m.shape) if g.is_contiguous() else None
-            if g2 is not None and g2.dtype == torch.float32:
-                torch.mm(p, qt, out=g2)  # the approximation straight into the gradient, no temporary
-                approx = g2
+            if g.is_contiguous() and g.dtype == torch.float32:
+                approx = torch.mm(p, qt, out=g.view(m.shape))  # straight into the gradient, no temporary
             else:
                 approx = p @ qt
                 g.copy_(approx.view(g.shape))

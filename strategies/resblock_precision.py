@@ -36,18 +36,13 @@ from typing_extensions import override
 
 from strategies.dtypes import resolve_dtype
 from strategies.grad_filter import BranchBoundaries
+from strategies.mesh import local_shard
 from strategies.protocol import find_resblocks, resolve_block_class
 from strategies.scale_rules import BlockScales, ScaleRules
 
 # The branch compute dtypes, and the Lightning precision name each corresponds to.
 _LIGHTNING_NAMES: dict[torch.dtype, str] = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
 GRADIENT_REDUCTION_ATTR = "gradient_reduction"  # "mean" (default) or "sum": how a strategy reduces gradients
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor gradient (in place edits reach the DTensor), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class ResblockScalingPrecision(Precision):
@@ -225,7 +220,7 @@ class ResblockScalingPrecision(Precision):
             by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
             for p in params:
                 if p.grad is not None and id(p) in in_optimizer:
-                    g = _local(p.grad)
+                    g = local_shard(p.grad)
                     by_kind[(g.device, g.dtype)].append(g)
             for (device, _), grads in by_kind.items():
                 found = torch.zeros(1, dtype=torch.float32, device=device)

@@ -73,7 +73,7 @@ from strategies.dcp_checkpoint import (
 )
 from strategies.dtypes import resolve_dtype
 from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
-from strategies.mesh import build_mesh
+from strategies.mesh import build_mesh, local_shard
 from strategies.powersgd import PowerSGD, finite_per_tensor
 from strategies.prefetch import apply_prefetch
 from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
@@ -647,7 +647,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         for name, p in self.lightning_module.named_parameters():
             if p.grad is None or id(p) in replicated:
                 continue
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            local = local_shard(p.grad)
             if local.numel():
                 named.append((name, local))
         # The skip decision was agreed above over every rank, which is PowerSGD's skip group (WORLD).
@@ -662,7 +662,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        flat = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1).float()
+        flat = torch.cat([local_shard(p).detach().reshape(-1).float()
                           for p in module.parameters()])
         first = flat.clone()
         if self.device_mesh["replicate"].size() > 1:
@@ -684,7 +684,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         """
         assert self.lightning_module is not None
         params = list(self.lightning_module.parameters())
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in params if p.grad is not None]
         device = self.root_device
         bad = (~finite_per_tensor(grads).all()).reshape(1) if grads else torch.zeros(1, dtype=torch.bool, device=device)
         whole = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
