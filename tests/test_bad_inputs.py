@@ -44,6 +44,7 @@ encode   | out_dir={world}                  | holds image shards written by dall
 encode   | dvae={work}/prior.pt             | dvae='{work}/prior.pt' is a prior model; expected a dvae model
 encode   | dvae={junk}                      | is not a dalle-lightning model file
 encode   | batch_size=0                     | batch_size=0; expected an integer >= 1
+encode   | bf16=maybe                       | bf16='maybe'; expected true, false or auto
 encode   | tokenizer={work}/none.json       | tokenizer='{work}/none.json'; expected an existing file
 generate | num_candidates=abc               | num_candidates='abc'; expected an integer >= 1
 generate | batch_size=0                     | batch_size=0; expected an integer >= 1

@@ -64,6 +64,12 @@ def boolean(cfg: DictConfig, key: str) -> None:
         _fail(key, got, "true or false")
 
 
+def boolean_or_auto(cfg: DictConfig, key: str) -> None:
+    got = value(cfg, key)
+    if not isinstance(got, bool) and got != "auto":
+        _fail(key, got, "true, false or auto")
+
+
 def device(cfg: DictConfig, key: str = "device") -> None:
     """``cpu``, or ``cuda``/``cuda:N`` on a machine that has that GPU."""
     import torch

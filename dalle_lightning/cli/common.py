@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dalle_lightning.artifacts import register_resolvers
 from dalle_lightning.cli.run_lock import release_all, run_id
+from dalle_lightning import hardware
 from strategies.atomic_files import AtomicWriteError
 
 log = logging.getLogger("dalle_lightning")
@@ -195,7 +196,8 @@ def instantiate_dict(nodes: DictConfig | None) -> list[Any]:
 
 def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
     """Trainer kwargs for the strategy and precision groups (a registered name, or a plugin object), and the
-    trainer config's own ``plugins`` (instantiated here, since these kwargs replace the config's list)."""
+    trainer config's own ``plugins`` (instantiated here, since these kwargs replace the config's list). The name
+    ``auto`` becomes ``bf16-mixed`` where the accelerator computes bf16 natively and ``32-true`` elsewhere."""
     kwargs: dict[str, Any] = {}
     strat = cfg.strategy
     kwargs["strategy"] = instantiate(strat) if "_target_" in strat else strat.name
@@ -203,6 +205,9 @@ def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
     prec = cfg.precision
     if "_target_" in prec:
         plugins.append(instantiate(prec))
+    elif prec.name == hardware.AUTO:  # the hardware's fast format (dalle_lightning/hardware.py)
+        kwargs["precision"] = hardware.auto_precision(str(cfg.trainer.get("accelerator", "cpu")))
+        log.info("precision=auto: %s", kwargs["precision"])
     else:
         kwargs["precision"] = prec.name
     kwargs["plugins"] = plugins

@@ -26,6 +26,7 @@ from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.epoch_loader import no_data_message
 from dalle_lightning.data.shards import resolve_shards
+from dalle_lightning.hardware import AUTO, native_bf16
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
 from dalle_lightning.tokenizer import CaptionTokenizer
@@ -109,7 +110,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
     for key in ("text_len", "image_size", "shard_size", "batch_size"):
         checks.integer(cfg, key, minimum=1)
     checks.integer(cfg, "num_workers", minimum=0)
-    checks.boolean(cfg, "bf16")
+    checks.boolean_or_auto(cfg, "bf16")
     checks.boolean(cfg, "force")
     checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
@@ -124,10 +125,11 @@ def run(cfg: DictConfig) -> dict[str, int]:
     dvae = dvae.to(memory_format=torch.channels_last)  # NHWC convolutions: faster on CPU (docs/results.md)
     record = {"dvae": dvae_record(meta),
               "tokenizer": tokenizer_record(cfg.tokenizer, tokenizer.vocab_size), "text_len": cfg.text_len}
+    bf16 = native_bf16("cpu") if cfg.bf16 == AUTO else cfg.bf16
     counts = {}
     for split, shards in cfg.splits.items():
         counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
-                                     cfg.shard_size, bf16=cfg.bf16, num_workers=cfg.num_workers, record=record,
+                                     cfg.shard_size, bf16=bf16, num_workers=cfg.num_workers, record=record,
                                      background=list(cfg.background))
         log.info("%s: %d samples -> %s", split, counts[split], out / split)
     if tokenizer.truncated:

@@ -1,0 +1,37 @@
+"""Whether a device computes bf16 natively, so the default precision can follow the hardware.
+
+bf16 autocast is the fast choice only where the hardware has bf16 arithmetic: CUDA devices that report it, and CPUs
+whose oneDNN bf16 kernels run on AVX512 (with or without its BF16 extension and AMX) or on Arm's BF16 extension. On a
+CPU with AVX2 only, oneDNN falls back to a reference path: on a 2-core AVX2 machine a 1024 x 1024 matrix product
+took 2.3 s in bf16 against 18 ms in fp32 (``benchmarks/matmul_dtypes.py``), so a bf16 default would make every
+stage two orders of magnitude slower there. ``precision=auto`` (the default of ``dalle-train``) and ``bf16=auto``
+(``dalle-encode``) resolve through :func:`native_bf16`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+AUTO = "auto"
+
+
+@functools.cache
+def native_bf16(accelerator: str = "cpu") -> bool:
+    """True where bf16 matrix products run at least as fast as fp32 on ``accelerator`` (cpu, cuda/gpu, or auto:
+    CUDA when one is visible)."""
+    if accelerator not in ("cpu", "cuda", "gpu", AUTO):
+        raise ValueError(f"accelerator={accelerator!r}; expected cpu, cuda, gpu or auto")
+    if accelerator in ("cuda", "gpu") or (accelerator == AUTO and torch.cuda.is_available()):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if probe is not None:
+        return bool(probe())
+    return bool(torch.cpu._is_avx512_bf16_supported())  # pragma: no cover - older builds without the oneDNN probe
+
+
+def auto_precision(accelerator: str = "cpu") -> str:
+    """The Lightning precision name ``precision=auto`` stands for: ``bf16-mixed`` where bf16 is native, else
+    ``32-true`` (fp32 beats a bf16 that is emulated)."""
+    return "bf16-mixed" if native_bf16(accelerator) else "32-true"
