@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from dalle_lightning.cli.common import CONF_DIR
+from dalle_lightning.hardware import auto_precision, native_bf16
 from strategies.atomic_files import write_json
 
 TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second, in metrics.json
@@ -42,6 +43,17 @@ STEPS: dict[str, list[str]] = {
     "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
 }
 FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}
+# Where the CPU has no native bf16 (AVX2 only: bf16 products ~150x slower than fp32, dalle_lightning/hardware.py),
+# 16-bit branches would turn the side run's minute into an hour: it keeps the Strategy and trains in fp32.
+EMULATED_BF16 = {"precision=resblock16": "precision=fp32", "precision.dtype=bf16": None}
+
+
+def step_overrides(step: str, native_bf16: bool) -> tuple[str, list[str]]:
+    """The module and overrides of a demo step on this machine (see ``EMULATED_BF16``)."""
+    module, *overrides = STEPS[step]
+    if not native_bf16:
+        overrides = [EMULATED_BF16.get(o, o) for o in overrides if EMULATED_BF16.get(o, o) is not None]
+    return module, overrides
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -94,8 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     force = args["force"].lower() == "true"
     timings: dict[str, float] = {}
     rates: dict[str, float] = {}
+    native = native_bf16("cpu")
+    if not native and "prior_plugins" in args["steps"].split(","):
+        print("== this CPU has no native bf16 (benchmarks/matmul_dtypes.py): every stage trains in fp32, and "
+              "prior_plugins runs the Strategy without the Precision plugin", flush=True)
     for step in args["steps"].split(","):
-        module, *overrides = STEPS[step]
+        module, overrides = step_overrides(step, native)
         overrides.append(f"paths.work_dir={work}")
         if module == "dalle_lightning.cli.train":
             overrides.append(f"experiment={args['experiment']}")
@@ -113,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
             rates[step] = rate
         print(f"== {step}: {timings[step]} s" + (f", {rate} updates/s" if rate is not None else ""), flush=True)
     summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
-               "updates_per_s": rates}
+               "updates_per_s": rates, "precision": auto_precision("cpu")}
     if "prior" in rates and "prior_plugins" in rates:
-        # the plugins' prior against one process in bf16-mixed at the same global batch, this run, this machine
+        # the plugins' prior against one process (precision=auto) at the same global batch, this run, this machine
         summary["prior_plugins_vs_one_process"] = round(rates["prior_plugins"] / rates["prior"], 3)
     for name in ("world", "tokenizer.json", "dvae.pt", "tokens", "clip.pt", "prior.pt", "prior_plugins.pt", "samples",
                  "eval.json", "eval_waterfall.png"):

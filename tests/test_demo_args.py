@@ -40,6 +40,23 @@ def test_every_training_step_composes_as_the_demo_passes_it(tmp_path) -> None:  
             assert "devices_per_node: 1" in done.stdout and "batch_size: 16" in done.stdout
 
 
+def test_without_native_bf16_the_side_run_keeps_the_strategy_in_fp32(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from dalle_lightning.demo import STEPS, step_overrides
+
+    assert step_overrides("prior_plugins", native_bf16=True) == (STEPS["prior_plugins"][0], STEPS["prior_plugins"][1:])
+    module, overrides = step_overrides("prior_plugins", native_bf16=False)
+    assert "precision=fp32" in overrides and "strategy=sharded_powersgd" in overrides
+    assert not any(o.startswith("precision.") or o == "precision=resblock16" for o in overrides)
+    done = subprocess.run([sys.executable, "-m", module, *overrides, f"paths.work_dir={tmp_path}",
+                           "experiment=shapes", "--cfg", "job"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert "name: 32-true" in done.stdout and "devices_per_node: 1" in done.stdout
+    assert step_overrides("dvae", native_bf16=False) == step_overrides("dvae", native_bf16=True)
+
+
 def test_a_step_reports_the_rate_of_the_run_it_wrote(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
