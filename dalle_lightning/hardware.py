@@ -15,6 +15,7 @@ import functools
 import torch
 
 AUTO = "auto"
+SIXTEEN_BIT = ("fp16", "bf16", "float16", "bfloat16", "half")  # dtype names a precision plugin may be given
 
 
 @functools.cache

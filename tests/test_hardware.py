@@ -39,3 +39,18 @@ def test_a_cuda_request_without_cuda_is_not_native() -> None:
 def test_unknown_accelerator_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="accelerator='tpu'; expected cpu, cuda, gpu or auto"):
         hardware.native_bf16("tpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_16_bit_choice_on_emulating_hardware_warns(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                     native: bool) -> None:
+    """bf16-mixed (or the per-resblock plugin in bf16) picked by hand on a CPU that emulates it: one warning."""
+    monkeypatch.setattr(hardware, "native_bf16", lambda accelerator="cpu": native)
+    caplog.set_level("WARNING", logger="dalle_lightning")
+    strategy_and_precision(_cfg("bf16-mixed"))
+    strategy_and_precision(_cfg("32-true"))
+    strategy_and_precision(_cfg("auto"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ([] if native else [warnings[0]])
+    if not native:
+        assert "precision bf16-mixed computes in 16 bits, which this cpu emulates" in warnings[0]
