@@ -43,7 +43,7 @@ STEPS: dict[str, list[str]] = {
     "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
 }
 FORCE_KEY = {"data": "force", "encode": "force", "generate": None, "eval": None}
-# Where the CPU has no native bf16 (AVX2 only: bf16 products ~150x slower than fp32, dalle_lightning/hardware.py),
+# Where the CPU has no native bf16 (AVX2 only: bf16 products 100-160x slower than fp32, dalle_lightning/hardware.py),
 # 16-bit branches would turn the side run's minute into an hour: it keeps the Strategy and trains in fp32.
 EMULATED_BF16 = {"precision=resblock16": "precision=fp32", "precision.dtype=bf16": None}
 

@@ -214,7 +214,7 @@ def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
     accelerator = str(cfg.trainer.get("accelerator", "cpu"))
     sixteen = "16" in str(kwargs.get("precision", "")) or str(prec.get("dtype", "")) in hardware.SIXTEEN_BIT
     if sixteen and not hardware.native_bf16(accelerator):
-        log.warning("precision %s computes in 16 bits, which this %s emulates (about 150x slower than fp32 on an AVX2 "
+        log.warning("precision %s computes in 16 bits, which this %s emulates (100-160x slower than fp32 on an AVX2 "
                     "CPU: benchmarks/matmul_dtypes.py); precision=auto picks fp32 here",
                     kwargs.get("precision") or f"{prec.get('_target_')} dtype={prec.get('dtype')}", accelerator)
     return kwargs
