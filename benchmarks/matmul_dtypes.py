@@ -1,8 +1,8 @@
 """Matrix-product rate of each dtype on this machine, and the precision ``precision=auto`` picks here, as JSON.
 
 Whether bf16 is the fast format is a property of the hardware, not of the project: on CPUs with AVX512 or AMX
-bf16 products run several times faster than fp32, on an AVX2-only CPU about a hundred times slower (oneDNN's
-reference path). ``dalle_lightning/hardware.py`` decides from the CPU's features; this script shows the rates
+bf16 products run several times faster than fp32, on an AVX2-only CPU 100-160x slower (oneDNN's reference
+path). ``dalle_lightning/hardware.py`` decides from the CPU's features; this script shows the rates
 that decision stands for.
 
 Usage: ``python benchmarks/matmul_dtypes.py [--size 1024] [--threads N]``.

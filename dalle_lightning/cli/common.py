@@ -203,15 +203,15 @@ def strategy_and_precision(cfg: DictConfig) -> dict[str, Any]:
     kwargs["strategy"] = instantiate(strat) if "_target_" in strat else strat.name
     plugins = [instantiate(node) for node in (cfg.trainer.get("plugins") or [])]  # the checkpoint writer
     prec = cfg.precision
+    accelerator = str(cfg.trainer.get("accelerator", "cpu"))
     if "_target_" in prec:
         plugins.append(instantiate(prec))
     elif prec.name == hardware.AUTO:  # the hardware's fast format (dalle_lightning/hardware.py)
-        kwargs["precision"] = hardware.auto_precision(str(cfg.trainer.get("accelerator", "cpu")))
+        kwargs["precision"] = hardware.auto_precision(accelerator)
         log.info("precision=auto: %s", kwargs["precision"])
     else:
         kwargs["precision"] = prec.name
     kwargs["plugins"] = plugins
-    accelerator = str(cfg.trainer.get("accelerator", "cpu"))
     sixteen = "16" in str(kwargs.get("precision", "")) or str(prec.get("dtype", "")) in hardware.SIXTEEN_BIT
     if sixteen and not hardware.native_bf16(accelerator):
         log.warning("precision %s computes in 16 bits, which this %s emulates (100-160x slower than fp32 on an AVX2 "
