@@ -26,11 +26,12 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dalle_lightning.demo out_dir=$(OUT)
 
+# Two workers: files that start processes on one, the others on the other (tests/conftest.py, make_scheduler).
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 bench: $(VENV)/.installed
 	for f in benchmarks/[!_]*.py; do $(PY) $$f; done

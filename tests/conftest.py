@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -108,6 +109,30 @@ def restore_rank_zero() -> Iterator[None]:
             del rank_zero_only.rank
     else:
         rank_zero_only.rank = before
+
+
+@functools.cache
+def runs_processes(test_file: Path) -> bool:
+    """Whether a test file has ``distributed`` tests (2-4 processes each), read from its source."""
+    return "mark.distributed" in test_file.read_text()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` runs two pytest-xdist workers with ``--dist loadfile``: a test file is one unit (its module
+    fixtures are built once), and every file that starts processes joins one unit, so those files run one after
+    another on one worker while the other runs the single-process files: at most one multi-process test at a
+    time on the 2 cores. (pytest-xdist's own ``loadgroup`` marks do not reach its scheduler under pytest 9.2.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ProcessesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test_file = super()._split_scope(nodeid)
+            return "multi-process" if runs_processes(config.rootpath / test_file) else test_file
+
+    return ProcessesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
