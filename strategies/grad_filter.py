@@ -20,6 +20,7 @@ ordinary forward (pre-)hooks, so they compose with FSDP2's ``fully_shard`` hooks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,22 +33,27 @@ class ToBranch(torch.autograd.Function):
     """Identity path -> branch: cast to 16-bit; backward unscales, filters Inf/NaN and flags the block."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dtype: torch.dtype, scales: Tensor, flags: Tensor, index: int) -> Tensor:
-        ctx.in_dtype, ctx.scales, ctx.flags, ctx.index = x.dtype, scales, flags, index
+    def forward(ctx: Any, x: Tensor, dtype: torch.dtype, boundaries: "BranchBoundaries", index: int) -> Tensor:
+        ctx.in_dtype, ctx.boundaries, ctx.index = x.dtype, boundaries, index
         return x.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         # Three passes over the gradient: the widening copy, one fused unscale-and-check (the kernel GradScaler
-        # uses), and the in-place filter; flags stay on the device, so there is no host sync per block.
+        # uses) that writes straight into the block's flag, and the in-place filter; the flags stay on the
+        # device, so there is no host sync per block.
         g = grad.to(torch.float32, copy=True)
-        index = ctx.index
-        found = torch.zeros(1, dtype=torch.float32, device=g.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([g], found, ctx.scales[index : index + 1].reciprocal())
-        slot = ctx.flags[index : index + 1]
-        torch.maximum(slot, found.to(slot.device), out=slot)
+        boundaries, index = ctx.boundaries, ctx.index
+        slot = boundaries.flags[index : index + 1]
+        inv = boundaries.inv_scales[index : index + 1]
+        if slot.device == g.device:
+            torch._amp_foreach_non_finite_check_and_unscale_([g], slot, inv)  # sets the slot to 1 if non-finite
+        else:
+            found = torch.zeros(1, dtype=torch.float32, device=g.device)
+            torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv.to(g.device))
+            torch.maximum(slot, found.to(slot.device), out=slot)
         torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
-        return g.to(ctx.in_dtype), None, None, None, None
+        return g.to(ctx.in_dtype), None, None, None
 
 
 class FromBranch(torch.autograd.Function):
@@ -77,6 +83,7 @@ class BranchBoundaries:
             raise ValueError(f"dtype={dtype}, expected torch.float16 or torch.bfloat16")
         self.dtype = dtype
         self.scales = torch.ones(num_blocks, dtype=torch.float32)
+        self.inv_scales = torch.ones(num_blocks, dtype=torch.float32)  # 1 / scales, computed once per update
         self.flags = torch.zeros(num_blocks + 1, dtype=torch.float32)
         self._handles: list[RemovableHandle] = []
         self._autocast_stack: list[torch.autocast] = []
@@ -84,7 +91,13 @@ class BranchBoundaries:
     def to(self, device: torch.device) -> None:
         if self.scales.device != device:
             self.scales = self.scales.to(device)
+            self.inv_scales = self.inv_scales.to(device)
             self.flags = self.flags.to(device)
+
+    def set_scales(self, scales: Tensor) -> None:
+        """Copy the blocks' current scales (and their reciprocals, which every backward reads) to the device."""
+        self.scales.copy_(scales)
+        torch.reciprocal(self.scales, out=self.inv_scales)
 
     def install(self, branches: list[nn.Module]) -> None:
         self.remove()
@@ -99,8 +112,8 @@ class BranchBoundaries:
 
     def _pre_hook(self, index: int):  # noqa: ANN202 - a closure per block
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
-            device = tensors[0].device if tensors else next(module.parameters()).device
+            first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
+            device = first.device if first is not None else next(module.parameters()).device
             self.to(device)
             ctx = torch.autocast(device.type, dtype=self.dtype, cache_enabled=False)
             ctx.__enter__()
@@ -110,10 +123,10 @@ class BranchBoundaries:
 
             def cast(t: Any) -> Any:
                 if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad:
-                    return ToBranch.apply(t, self.dtype, self.scales, self.flags, index)
+                    return ToBranch.apply(t, self.dtype, self, index)
                 return t
 
-            return tree_map(cast, args), tree_map(cast, kwargs)
+            return _map(cast, args), _map(cast, kwargs)
 
         return hook
 
@@ -128,6 +141,18 @@ class BranchBoundaries:
                     return FromBranch.apply(t, torch.float32, self.scales, index)
                 return t.to(torch.float32)
 
-            return tree_map(cast, output)
+            return _map(cast, output)
 
         return hook
+
+
+def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree_map`` with the common cases done directly: a branch takes and returns a tensor or a flat tuple of
+    them, and a pytree flatten and unflatten per hook call is a visible share of a small model's step."""
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if type(tree) is tuple and not any(isinstance(t, (tuple, list, dict)) for t in tree):
+        return tuple(fn(t) for t in tree)
+    if type(tree) is dict and not tree:
+        return tree
+    return tree_map(fn, tree)

@@ -97,6 +97,8 @@ class ResblockScalingPrecision(Precision):
         self._blocks: list[nn.Module] = []
         self._pending_state: dict[str, Any] | None = None
         self._agreed: Tensor | None = None  # flags from unscale_and_flag, consumed by the next optimizer_step
+        self._groups: tuple[tuple[int, ...], list[list[Tensor]]] | None = None  # see _parameter_groups
+        self._one = torch.ones(1, dtype=torch.float32)  # the unit scale of parameters outside the blocks
 
     # ----------------------------------------------------------------------------------------------- setup
     @override
@@ -119,6 +121,7 @@ class ResblockScalingPrecision(Precision):
         # Keep modules, not parameters: FSDP2's fully_shard (possibly applied after this call) swaps in new
         # DTensor parameters, so the parameter lists are read at every step.
         self._root, self._blocks = module, [mod for _, mod in blocks]
+        self._groups = None
         return module
 
     @staticmethod
@@ -207,30 +210,49 @@ class ResblockScalingPrecision(Precision):
     @torch.no_grad()
     def _unscale_and_check(self, optimizer: Optimizer) -> Tensor:
         """Divide each block's gradients by its scale in place; return the per-block (+ other) non-finite flags."""
-        assert self._boundaries is not None and self._root is not None
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        assert self._boundaries is not None
         flags = self._boundaries.flags
-        inv_scales = self._boundaries.scales.reciprocal()
-        one = torch.ones(1, dtype=torch.float32, device=flags.device)
-        groups = [list(block.parameters()) for block in self._blocks]
-        in_blocks = {id(p) for params in groups for p in params}
-        groups.append([p for p in self._root.parameters() if id(p) not in in_blocks])
+        inv_scales = self._boundaries.inv_scales
+        if self._one.device != flags.device:
+            self._one = self._one.to(flags.device)
+        groups = self._parameter_groups(optimizer)
         for index, params in enumerate(groups):
-            inv = inv_scales[index : index + 1] if index < len(self._blocks) else one
-            by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+            by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for p in params:
-                if p.grad is not None and id(p) in in_optimizer:
+                if p.grad is not None:
                     g = local_shard(p.grad)
-                    by_kind[(g.device, g.dtype)].append(g)
+                    by_kind.setdefault((g.device, g.dtype), []).append(g)
+            if not by_kind:
+                continue
+            slot = flags[index : index + 1]  # the kernel sets it to 1 where it finds a non-finite value
+            inv = inv_scales[index : index + 1] if index < len(self._blocks) else self._one
             for (device, _), grads in by_kind.items():
-                found = torch.zeros(1, dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
-                flags[index : index + 1].copy_(torch.maximum(flags[index : index + 1], found.to(flags.device)))
+                if device == slot.device:
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, slot, inv)
+                else:
+                    found = torch.zeros(1, dtype=torch.float32, device=device)
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
+                    torch.maximum(slot, found.to(slot.device), out=slot)
         return flags.clone()
+
+    def _parameter_groups(self, optimizer: Optimizer) -> list[list[Tensor]]:
+        """The optimizer's parameters of each block, then those outside every block; rebuilt only when the
+        optimizer's parameters change (a new optimizer, or FSDP2 sharding applied after ``convert_module``),
+        because walking every module's parameters each step costs as much as a small model's unscale."""
+        assert self._root is not None
+        key = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        if self._groups is None or self._groups[0] != key:
+            stepped = set(key)
+            per_block = [list(block.parameters()) for block in self._blocks]
+            in_blocks = {id(p) for params in per_block for p in params}
+            groups = [[p for p in params if id(p) in stepped] for params in per_block]
+            groups.append([p for p in self._root.parameters() if id(p) in stepped and id(p) not in in_blocks])
+            self._groups = (key, groups)
+        return self._groups[1]
 
     def _sync_device_scales(self) -> None:
         assert self.scales is not None and self._boundaries is not None
-        self._boundaries.scales.copy_(self.scales.scales().to(torch.float32))
+        self._boundaries.set_scales(self.scales.scales().to(torch.float32))
 
     def _log(self, model: pl.LightningModule) -> None:
         """Per-block log2 scales and the skipped-update count, straight to the loggers every n steps (cheap)."""
