@@ -177,6 +177,35 @@ def test_accumulated_micro_batches_share_one_scale() -> None:
     plugin.teardown()
 
 
+def test_each_optimizer_unscales_the_parameters_it_steps() -> None:
+    """The per-block parameter groups are cached per optimizer: a second optimizer that leaves one block's
+    branch out (frozen, or stepped elsewhere) must leave exactly that block's gradients as the backward left them."""
+    torch.manual_seed(0)
+    model = DeepResidual(depth=4, width=8, decay=1.0)
+    x, y = regression_data(width=8, n=4)
+    (squared_error(model, x, y) * 1e-3).backward()
+    reference = branch_grads(model)  # fp32
+    model.zero_grad()
+    plugin = ResblockScalingPrecision("fp16")
+    plugin.convert_module(model)
+
+    def backward() -> float:
+        model.zero_grad()
+        (squared_error(model, x, y) * 1e-3).backward()
+        return 0.0
+
+    plugin.optimizer_step(torch.optim.SGD(model.parameters(), lr=0.0), model, backward)
+    assert max(_rel_err(g, r) for g, r in zip(branch_grads(model), reference)) < 1e-2
+    frozen = {id(p) for p in model.blocks[1].branch.parameters()}
+    others = torch.optim.SGD([p for p in model.parameters() if id(p) not in frozen], lr=0.0)
+    scale = float(plugin.scales.scales()[1])  # what block 1's backward multiplies by in the next step
+    plugin.optimizer_step(others, model, backward)
+    grads = branch_grads(model)
+    assert _rel_err(grads[1], reference[1] * scale) < 1e-2  # left as the backward scaled it
+    assert max(_rel_err(grads[i], reference[i]) for i in (0, 2, 3)) < 1e-2
+    plugin.teardown()
+
+
 def test_bf16_branches_match_fp32_and_bad_config_raises() -> None:
     torch.manual_seed(0)
     model = DeepResidual(depth=4, width=8, decay=0.0)
