@@ -119,7 +119,8 @@ class ResblockScalingPrecision(Precision):
         self._boundaries.install([mod for _, mod in blocks])
         self._sync_device_scales()
         # Keep modules, not parameters: FSDP2's fully_shard (possibly applied after this call) swaps in new
-        # DTensor parameters, so the parameter lists are read at every step.
+        # DTensor parameters, so the per-block lists are built from the optimizer's parameters at its first step
+        # (and again whenever those change; see _parameter_groups).
         self._root, self._blocks = module, [mod for _, mod in blocks]
         self._groups = None
         return module
