@@ -52,7 +52,7 @@ class Sum(nn.Module):
 def build(args: argparse.Namespace) -> DiscreteVAE:
     """The demo's dVAE sizes (conf/model/dvae_gumbel.yaml) with ``channels`` encoder outputs / decoder inputs."""
     model = DiscreteVAE(64, args.channels, n_hid=32, n_blk_per_group=1, group_count=4, codebook_dim=64,
-                        codebook_init_std=1.0)
+                        codebook_init_std=1.0, block_min_hidden=args.min_hidden)
     if args.resample != "maxpool":
         for g in range(1, 4):
             enc, dec = getattr(model.encoder.blocks, f"group_{g}"), getattr(model.decoder.blocks, f"group_{g}")
@@ -140,6 +140,8 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=9, help="latent channels (lfq: bits; gumbel: codes)")
     parser.add_argument("--resample", choices=["maxpool", "space_to_depth", "both"], default="maxpool",
                         help="both: max-pool / nearest plus a zero-initialised pixel-(un)shuffle path")
+    parser.add_argument("--min-hidden", type=int, default=0,
+                        help="smallest res-path width of a block (the paper: width / 4, 8 channels at full resolution)")
     parser.add_argument("--entropy", type=float, default=0.01, help="LFQ's entropy loss weight")
     parser.add_argument("--steps", type=int, default=3500, help="updates (the demo's dVAE: 3,500)")
     parser.add_argument("--batch", type=int, default=8)

@@ -26,15 +26,17 @@ from dalle_lightning.models.dvae_vq import VQVAE
 from strategies.dtypes import resolve_dtype
 
 SHAPES = dict(image_size=64, group_count=4, n_hid=32, n_blk_per_group=1, codebook_dim=64)
-MODELS = {"gumbel": lambda: DiscreteVAE(vocab_size=512, **SHAPES), "fsq": lambda: FSQVAE(levels=[8, 8, 8], **SHAPES),
-          "vq": lambda: VQVAE(vocab_size=512, latent_dim=8, use_cosine_sim=True, **SHAPES)}
+MODELS = {"gumbel": lambda **kw: DiscreteVAE(vocab_size=512, **SHAPES, **kw),
+          "fsq": lambda **kw: FSQVAE(levels=[8, 8, 8], **SHAPES, **kw),
+          "vq": lambda **kw: VQVAE(vocab_size=512, latent_dim=8, use_cosine_sim=True, **SHAPES, **kw)}
 PRECISIONS = ["fp32", "bf16"]  # names resolve_dtype knows
 
 
-def measure(name: str, batch: int, precision: str, channels_last: bool, optimizer: str, steps: int) -> dict:
+def measure(name: str, batch: int, precision: str, channels_last: bool, optimizer: str, steps: int,
+            block_min_hidden: int = 0) -> dict:
     torch.manual_seed(0)
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    model = MODELS[name]().to(memory_format=layout)
+    model = MODELS[name](block_min_hidden=block_min_hidden).to(memory_format=layout)
     kwargs = dict(temperature=1.0, kl_weight=1.0) if model.relaxed else {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
     images = torch.rand(batch, 3, 64, 64).contiguous(memory_format=layout)
@@ -66,12 +68,14 @@ def main() -> None:
                         help="AdamW implementation (the stage configs use fused)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--block-min-hidden", type=int, default=0, help="the model option (0: the paper's width / 4)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = [measure(args.model, batch, precision, channels_last, args.optimizer, args.steps)
+    results = [measure(args.model, batch, precision, channels_last, args.optimizer, args.steps, args.block_min_hidden)
                for batch in args.batches for precision in args.precisions for channels_last in (False, True)]
-    print(json.dumps({"benchmark": "dvae_train_step", "model": args.model, "optimizer": args.optimizer,
+    print(json.dumps({"benchmark": "dvae_train_step", "model": args.model, "block_min_hidden": args.block_min_hidden,
+                      "optimizer": args.optimizer,
                       "threads": torch.get_num_threads(), "results": results}, indent=1))
 
 

@@ -58,6 +58,23 @@ def test_paper_config_parameter_counts_match_the_release() -> None:
     assert model.encoder.blocks.group_1.block_1.post_gain == 1 / 64
 
 
+def test_block_min_hidden_widens_only_the_narrow_residual_paths() -> None:
+    """Widths 32, 64, 128, 256 have paths of 8, 16, 32, 64 channels; a floor of 32 widens the first two groups."""
+    paper = DiscreteVAE(image_size=64, vocab_size=16, n_hid=32, n_blk_per_group=1, codebook_dim=16)
+    wide = DiscreteVAE(image_size=64, vocab_size=16, n_hid=32, n_blk_per_group=1, codebook_dim=16, block_min_hidden=32)
+    for coder in ("encoder", "decoder"):
+        for g, expected in zip((1, 2, 3, 4), (32, 32, 32, 64) if coder == "encoder" else (64, 32, 32, 32)):
+            for model, want in ((paper, 8 * 2 ** (g - 1) if coder == "encoder" else 8 * 2 ** (4 - g)), (wide, expected)):
+                block = getattr(getattr(model, coder).blocks, f"group_{g}").block_1
+                assert block.res_path.conv_2.in_channels == want
+    assert count(wide) > count(paper)
+    x = torch.rand(2, 3, 64, 64)
+    assert wide.reconstruct(x).shape == x.shape
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=f"block_min_hidden={bad}; expected 0"):
+            DiscreteVAE(image_size=64, block_min_hidden=bad)
+
+
 def test_paper_init_statistics() -> None:
     conv = Encoder(n_hid=64, vocab_size=512).blocks.group_2.block_1.res_path.conv_2  # 3x3, 32 -> 32
     assert conv.weight.std().item() == pytest.approx(1 / math.sqrt(32 * 9), rel=0.05)

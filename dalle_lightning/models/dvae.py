@@ -4,7 +4,9 @@ Architecture as in OpenAI's released ``dall_e`` package (module names mirror the
 map one to one, see ``dvae_convert.py``), built from plain ``nn.Conv2d``:
 
 - Encoder: 7x7 conv -> ``group_count`` groups of bottleneck resblocks (widths n_hid * 1, 2, 4, 8, ...) with a
-  2x2 max-pool after every group but the last -> ReLU -> 1x1 conv to K logits.
+  2x2 max-pool after every group but the last -> ReLU -> 1x1 conv to K logits. A block's residual path is a
+  quarter of its width (the paper); ``block_min_hidden`` widens the narrowest ones, those at full resolution,
+  where a small model otherwise draws every edge through 8 channels (docs/experiments.md).
 - Decoder: 1x1 conv from the (relaxed) one-hot over K to ``codebook_dim`` channels (this conv *is* the
   codebook) -> groups with widths ... 8, 4, 2, 1 * n_hid and nearest 2x upsampling -> ReLU -> 1x1 conv to
   2 * C channels: the logit-Laplace location mu and log-scale ln b for each colour channel.
@@ -74,11 +76,11 @@ def fp32_conv(n_in: int, n_out: int, kw: int) -> FP32Conv2d:
 class EncoderBlock(nn.Module):
     """Bottleneck resblock: id_path(x) + post_gain * res_path(x), res_path relu-3x3-relu-3x3-relu-3x3-relu-1x1."""
 
-    def __init__(self, n_in: int, n_out: int, n_layers: int) -> None:
+    def __init__(self, n_in: int, n_out: int, n_layers: int, min_hidden: int = 0) -> None:
         super().__init__()
         if n_out % 4 != 0:
             raise ValueError(f"n_out={n_out} is not divisible by 4; expected a width with a n_out/4 bottleneck")
-        n_hid = n_out // 4
+        n_hid = max(n_out // 4, min_hidden)
         # 1 / n_layers^2 keeps the sum of residual branches near the identity at initialisation.
         self.post_gain = 1 / n_layers**2
         self.id_path = conv(n_in, n_out, 1) if n_in != n_out else nn.Identity()
@@ -102,11 +104,11 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     """Bottleneck resblock: id_path(x) + post_gain * res_path(x), res_path relu-1x1-relu-3x3-relu-3x3-relu-3x3."""
 
-    def __init__(self, n_in: int, n_out: int, n_layers: int) -> None:
+    def __init__(self, n_in: int, n_out: int, n_layers: int, min_hidden: int = 0) -> None:
         super().__init__()
         if n_out % 4 != 0:
             raise ValueError(f"n_out={n_out} is not divisible by 4; expected a width with a n_out/4 bottleneck")
-        n_hid = n_out // 4
+        n_hid = max(n_out // 4, min_hidden)
         self.post_gain = 1 / n_layers**2
         self.id_path = conv(n_in, n_out, 1) if n_in != n_out else nn.Identity()
         self.res_path = nn.Sequential(
@@ -146,6 +148,7 @@ class Encoder(nn.Module):
         n_blk_per_group: int = 2,
         input_channels: int = 3,
         vocab_size: int = 8192,
+        min_hidden: int = 0,
     ) -> None:
         super().__init__()
         _check_config(group_count, n_hid, n_blk_per_group, vocab_size)
@@ -156,7 +159,7 @@ class Encoder(nn.Module):
         for g, width in enumerate(widths, start=1):
             group: OrderedDict[str, nn.Module] = OrderedDict()
             for i in range(1, n_blk_per_group + 1):
-                group[f"block_{i}"] = EncoderBlock(n_in, width, n_layers)
+                group[f"block_{i}"] = EncoderBlock(n_in, width, n_layers, min_hidden)
                 n_in = width
             if g < group_count:
                 group["pool"] = nn.MaxPool2d(kernel_size=2)
@@ -179,6 +182,7 @@ class Decoder(nn.Module):
         n_blk_per_group: int = 2,
         output_channels: int = 3,
         vocab_size: int = 8192,
+        min_hidden: int = 0,
     ) -> None:
         super().__init__()
         _check_config(group_count, n_hid, n_blk_per_group, vocab_size)
@@ -190,7 +194,7 @@ class Decoder(nn.Module):
         for g, width in enumerate(widths, start=1):
             group: OrderedDict[str, nn.Module] = OrderedDict()
             for i in range(1, n_blk_per_group + 1):
-                group[f"block_{i}"] = DecoderBlock(n_in, width, n_layers)
+                group[f"block_{i}"] = DecoderBlock(n_in, width, n_layers, min_hidden)
                 n_in = width
             if g < group_count:
                 group["upsample"] = nn.Upsample(scale_factor=2, mode="nearest")
@@ -232,6 +236,7 @@ class DiscreteVAE(nn.Module):
         channels: int = 3,
         eps: float = LOGIT_LAPLACE_EPS,
         codebook_init_std: float | None = None,
+        block_min_hidden: int = 0,
     ) -> None:
         super().__init__()
         factor = 2 ** (group_count - 1)
@@ -240,6 +245,8 @@ class DiscreteVAE(nn.Module):
                 f"image_size={image_size} is not divisible by the downsampling factor {factor} "
                 f"(2**(group_count-1), group_count={group_count}); expected a positive multiple of {factor}"
             )
+        if int(block_min_hidden) != block_min_hidden or block_min_hidden < 0:
+            raise ValueError(f"block_min_hidden={block_min_hidden}; expected 0 (the paper's width / 4) or a channel count")
         if not 0 < eps < 0.5:
             raise ValueError(f"eps={eps} is outside (0, 0.5); expected the logit-Laplace pixel margin (paper 0.1)")
         self.image_size = image_size
@@ -247,8 +254,8 @@ class DiscreteVAE(nn.Module):
         self.channels = channels
         self.eps = eps
         self.downsample_factor = factor
-        self.encoder = Encoder(group_count, n_hid, n_blk_per_group, channels, vocab_size)
-        self.decoder = Decoder(group_count, codebook_dim, n_hid, n_blk_per_group, channels, vocab_size)
+        self.encoder = Encoder(group_count, n_hid, n_blk_per_group, channels, vocab_size, block_min_hidden)
+        self.decoder = Decoder(group_count, codebook_dim, n_hid, n_blk_per_group, channels, vocab_size, block_min_hidden)
         if codebook_init_std is not None:
             # The decoder's input conv is the codebook: with the paper's 1/sqrt(K) init its columns are so small
             # that the relaxed codes barely move the decoder, and a short run learns shapes but never colours

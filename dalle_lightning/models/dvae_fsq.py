@@ -44,6 +44,7 @@ class FSQVAE(DiscreteVAE):
         channels: int = 3,
         eps: float = LOGIT_LAPLACE_EPS,
         latent_penalty: float = 0.0,
+        block_min_hidden: int = 0,
     ) -> None:
         if latent_penalty < 0:
             raise ValueError(f"latent_penalty={latent_penalty} is negative; expected a weight >= 0")
@@ -51,7 +52,8 @@ class FSQVAE(DiscreteVAE):
         if not levels or any(level < 3 for level in levels):
             raise ValueError(f"levels={levels}; expected one or more quantization levels per channel, each >= 3")
         # The parent's encoder head and decoder input width is its "vocab_size": here, the latent channels.
-        super().__init__(image_size, len(levels), n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps)
+        super().__init__(image_size, len(levels), n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps,
+                         block_min_hidden=block_min_hidden)
         self.levels = levels
         self.vocab_size = math.prod(levels)
         self.latent_penalty = float(latent_penalty)

@@ -40,10 +40,12 @@ class VQVAE(DiscreteVAE):
         threshold_ema_dead_code: float = 2.0,
         kmeans_init: bool = True,
         use_cosine_sim: bool = False,
+        block_min_hidden: int = 0,
     ) -> None:
         if latent_dim < 1:
             raise ValueError(f"latent_dim={latent_dim}; expected a positive code width")
-        super().__init__(image_size, latent_dim, n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps)
+        super().__init__(image_size, latent_dim, n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps,
+                         block_min_hidden=block_min_hidden)
         self.vocab_size = int(vocab_size)
         with torch.device("cpu"):  # k-means state and tables are built eagerly; never on the meta device
             self.quantizer = VectorQuantize(
