@@ -44,16 +44,21 @@ class ToBranch(torch.autograd.Function):
         # device, so there is no host sync per block.
         g = grad.to(torch.float32, copy=True)
         boundaries, index = ctx.boundaries, ctx.index
-        slot = boundaries.flags[index : index + 1]
-        inv = boundaries.inv_scales[index : index + 1]
-        if slot.device == g.device:
-            torch._amp_foreach_non_finite_check_and_unscale_([g], slot, inv)  # sets the slot to 1 if non-finite
-        else:
-            found = torch.zeros(1, dtype=torch.float32, device=g.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv.to(g.device))
-            torch.maximum(slot, found.to(slot.device), out=slot)
+        unscale_and_flag([g], boundaries.inv_scales[index : index + 1], boundaries.flags[index : index + 1])
         torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
         return g.to(ctx.in_dtype), None, None, None
+
+
+def unscale_and_flag(grads: list[Tensor], inv_scale: Tensor, flag: Tensor) -> None:
+    """Multiply ``grads`` (one device) by ``inv_scale`` in place and set the 1-element ``flag`` to 1 if any value
+    is non-finite, with the fused kernel GradScaler uses; it writes the flag in place when both share a device."""
+    device = grads[0].device
+    if flag.device == device:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+        return
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+    torch.maximum(flag, found.to(flag.device), out=flag)
 
 
 class FromBranch(torch.autograd.Function):
@@ -83,7 +88,8 @@ class BranchBoundaries:
             raise ValueError(f"dtype={dtype}, expected torch.float16 or torch.bfloat16")
         self.dtype = dtype
         self.scales = torch.ones(num_blocks, dtype=torch.float32)
-        self.inv_scales = torch.ones(num_blocks, dtype=torch.float32)  # 1 / scales, computed once per update
+        # 1 / scales, computed once per update, plus a spare 1 for the parameters outside the blocks (as flags)
+        self.inv_scales = torch.ones(num_blocks + 1, dtype=torch.float32)
         self.flags = torch.zeros(num_blocks + 1, dtype=torch.float32)
         self._handles: list[RemovableHandle] = []
         self._autocast_stack: list[torch.autocast] = []
@@ -97,7 +103,7 @@ class BranchBoundaries:
     def set_scales(self, scales: Tensor) -> None:
         """Copy the blocks' current scales (and their reciprocals, which every backward reads) to the device."""
         self.scales.copy_(scales)
-        torch.reciprocal(self.scales, out=self.inv_scales)
+        torch.reciprocal(self.scales, out=self.inv_scales[:-1])
 
     def install(self, branches: list[nn.Module]) -> None:
         self.remove()

@@ -22,7 +22,6 @@ Gradients may be DTensors (FSDP2 / sharded strategies): only their local shards 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -35,7 +34,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from strategies.dtypes import resolve_dtype
-from strategies.grad_filter import BranchBoundaries
+from strategies.grad_filter import BranchBoundaries, unscale_and_flag
 from strategies.mesh import local_shard
 from strategies.protocol import find_resblocks, resolve_block_class
 from strategies.scale_rules import BlockScales, ScaleRules
@@ -98,7 +97,6 @@ class ResblockScalingPrecision(Precision):
         self._pending_state: dict[str, Any] | None = None
         self._agreed: Tensor | None = None  # flags from unscale_and_flag, consumed by the next optimizer_step
         self._groups: tuple[tuple[int, ...], list[list[Tensor]]] | None = None  # see _parameter_groups
-        self._one = torch.ones(1, dtype=torch.float32)  # the unit scale of parameters outside the blocks
 
     # ----------------------------------------------------------------------------------------------- setup
     @override
@@ -212,28 +210,15 @@ class ResblockScalingPrecision(Precision):
     def _unscale_and_check(self, optimizer: Optimizer) -> Tensor:
         """Divide each block's gradients by its scale in place; return the per-block (+ other) non-finite flags."""
         assert self._boundaries is not None
-        flags = self._boundaries.flags
-        inv_scales = self._boundaries.inv_scales
-        if self._one.device != flags.device:
-            self._one = self._one.to(flags.device)
-        groups = self._parameter_groups(optimizer)
-        for index, params in enumerate(groups):
+        flags, inv_scales = self._boundaries.flags, self._boundaries.inv_scales  # last slot: outside the blocks
+        for index, params in enumerate(self._parameter_groups(optimizer)):
             by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for p in params:
                 if p.grad is not None:
                     g = local_shard(p.grad)
                     by_kind.setdefault((g.device, g.dtype), []).append(g)
-            if not by_kind:
-                continue
-            slot = flags[index : index + 1]  # the kernel sets it to 1 where it finds a non-finite value
-            inv = inv_scales[index : index + 1] if index < len(self._blocks) else self._one
-            for (device, _), grads in by_kind.items():
-                if device == slot.device:
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, slot, inv)
-                else:
-                    found = torch.zeros(1, dtype=torch.float32, device=device)
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
-                    torch.maximum(slot, found.to(slot.device), out=slot)
+            for grads in by_kind.values():
+                unscale_and_flag(grads, inv_scales[index : index + 1], flags[index : index + 1])
         return flags.clone()
 
     def _parameter_groups(self, optimizer: Optimizer) -> list[list[Tensor]]:
