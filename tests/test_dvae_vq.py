@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from callbacks.schedules import KLWeightAnnealing, TemperatureAnnealing
@@ -76,3 +77,18 @@ def test_module_trains_with_the_schedules_doing_nothing_and_the_artifact_round_t
     assert loaded.vocab_size == 16
     assert torch.equal(loaded.get_codebook_indices(x), model.get_codebook_indices(x))
     assert torch.equal(loaded.reconstruct(x), model.reconstruct(x))
+
+
+def test_a_dead_code_threshold_at_the_mean_count_per_code_is_refused_before_any_update() -> None:
+    """4 images x 16 cells / 16 codes = 4 latents per code per batch: a threshold of 4 would re-seed nearly every
+    code every step, so the first training batch refuses it with the figures; 0 (no restarts) and values below the
+    mean train."""
+    model = tiny(threshold_ema_dead_code=4.0)
+    before = model.quantizer.codebook.clone()
+    with pytest.raises(ValueError, match=r"threshold_ema_dead_code=4 .*64 latents / 16 codes = 4\)"):
+        model(images())
+    assert torch.equal(model.quantizer.codebook, before)  # refused before k-means or any EMA update
+    model.eval()
+    model(images())  # evaluation never re-seeds codes: not checked
+    for ok in (0.0, 0.04):
+        assert torch.isfinite(tiny(threshold_ema_dead_code=ok).train()(images())["loss"])

@@ -3,7 +3,10 @@
 ``vector_quantize_pytorch.VectorQuantize``: the codebook is updated by exponential moving averages of the encoder
 outputs assigned to each code (no gradient), initialised by k-means on the first batch, and a code whose running
 count falls below ``threshold_ema_dead_code`` is re-seeded from the current batch's encoder outputs, so codes do not
-stay dead. The encoder gets the decoder's gradient through the rotation trick and a commitment loss.
+stay dead. The count is per batch, so the threshold must sit far below the mean count per code (latents per batch /
+``vocab_size``; 1 at the demo's batch of 8 images x 64 cells and 512 codes): at or above it nearly every code is
+re-seeded every step (at 2.0, 370-440 of 512 codes per step), the codebook is a sample of recent batches, and
+rarer colours were lost in some runs (docs/experiments.md). The first training batch checks it. The encoder gets the decoder's gradient through the rotation trick and a commitment loss.
 Same encoder, decoder, likelihood and interface as :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`.
 
 Limitation: the library all-reduces the codebook statistics only if a process group exists when the quantizer is
@@ -37,7 +40,7 @@ class VQVAE(DiscreteVAE):
         eps: float = LOGIT_LAPLACE_EPS,
         decay: float = 0.8,
         commitment_weight: float = 1.0,
-        threshold_ema_dead_code: float = 2.0,
+        threshold_ema_dead_code: float = 0.01,
         kmeans_init: bool = True,
         use_cosine_sim: bool = False,
         block_min_hidden: int = 0,
@@ -47,6 +50,8 @@ class VQVAE(DiscreteVAE):
         super().__init__(image_size, latent_dim, n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps,
                          block_min_hidden=block_min_hidden)
         self.vocab_size = int(vocab_size)
+        self.threshold_ema_dead_code = float(threshold_ema_dead_code)
+        self._threshold_checked = False
         with torch.device("cpu"):  # k-means state and tables are built eagerly; never on the meta device
             self.quantizer = VectorQuantize(
                 dim=latent_dim, codebook_size=vocab_size, decay=decay, commitment_weight=commitment_weight,
@@ -54,9 +59,21 @@ class VQVAE(DiscreteVAE):
                 use_cosine_sim=use_cosine_sim,
             )
 
+    def _check_threshold(self, latents_per_batch: int) -> None:
+        """Refuse a dead-code threshold at or above the mean count per code, before the first update uses it."""
+        mean = latents_per_batch / self.vocab_size
+        if self.threshold_ema_dead_code >= mean:
+            raise ValueError(
+                f"threshold_ema_dead_code={self.threshold_ema_dead_code:g} is at or above the mean count per code per "
+                f"batch ({latents_per_batch} latents / {self.vocab_size} codes = {mean:g}): nearly every code would be "
+                f"re-seeded every step; expected far below it (e.g. {mean / 100:g}), or 0 for no restarts")
+        self._threshold_checked = True
+
     def quantize(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Latents [B, d, h, w] -> (codes [B, d, h, w], indices [B, h, w], commitment loss), in fp32."""
         b, d, h, w = latents.shape
+        if self.training and not self._threshold_checked:
+            self._check_threshold(b * h * w)
         with torch.autocast(device_type=latents.device.type, enabled=False):
             flat = latents.float().permute(0, 2, 3, 1).reshape(b, h * w, d)
             codes, indices, commit = self.quantizer(flat)
