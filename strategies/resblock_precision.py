@@ -96,7 +96,7 @@ class ResblockScalingPrecision(Precision):
         self._blocks: list[nn.Module] = []
         self._pending_state: dict[str, Any] | None = None
         self._agreed: Tensor | None = None  # flags from unscale_and_flag, consumed by the next optimizer_step
-        self._groups: tuple[tuple[int, ...], list[list[Tensor]]] | None = None  # see _parameter_groups
+        self._groups: tuple[tuple[int, ...], list[list[tuple[list[Tensor], bool]]]] | None = None  # see _parameter_groups
 
     # ----------------------------------------------------------------------------------------------- setup
     @override
@@ -211,20 +211,20 @@ class ResblockScalingPrecision(Precision):
         """Divide each block's gradients by its scale in place; return the per-block (+ other) non-finite flags."""
         assert self._boundaries is not None
         flags, inv_scales = self._boundaries.flags, self._boundaries.inv_scales  # last slot: outside the blocks
-        for index, params in enumerate(self._parameter_groups(optimizer)):
-            by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-            for p in params:
-                if p.grad is not None:
-                    g = local_shard(p.grad)
-                    by_kind.setdefault((g.device, g.dtype), []).append(g)
-            for grads in by_kind.values():
-                unscale_and_flag(grads, inv_scales[index : index + 1], flags[index : index + 1])
+        for index, buckets in enumerate(self._parameter_groups(optimizer)):
+            for params, sharded in buckets:
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    unscale_and_flag([local_shard(g) for g in grads] if sharded else grads,
+                                     inv_scales[index : index + 1], flags[index : index + 1])
         return flags.clone()
 
-    def _parameter_groups(self, optimizer: Optimizer) -> list[list[Tensor]]:
-        """The optimizer's parameters of each block, then those outside every block; rebuilt only when the
-        optimizer's parameters change (a new optimizer, or FSDP2 sharding applied after ``convert_module``),
-        because walking every module's parameters each step costs as much as a small model's unscale."""
+    def _parameter_groups(self, optimizer: Optimizer) -> list[list[tuple[list[Tensor], bool]]]:
+        """The optimizer's parameters of each block, then those outside every block, each split into buckets of
+        one device and dtype (what the fused kernel takes; a gradient always has its parameter's) with a flag for
+        DTensor shards. Rebuilt only when the optimizer's parameters change (a new optimizer, or FSDP2 sharding
+        applied after ``convert_module``): walking every module's parameters, or sorting gradients by kind, each
+        step costs as much as a small model's unscale."""
         assert self._root is not None
         key = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
         if self._groups is None or self._groups[0] != key:
@@ -233,7 +233,7 @@ class ResblockScalingPrecision(Precision):
             in_blocks = {id(p) for params in per_block for p in params}
             groups = [[p for p in params if id(p) in stepped] for params in per_block]
             groups.append([p for p in self._root.parameters() if id(p) in stepped and id(p) not in in_blocks])
-            self._groups = (key, groups)
+            self._groups = (key, [_buckets(params) for params in groups])
         return self._groups[1]
 
     def _sync_device_scales(self) -> None:
@@ -272,3 +272,13 @@ class ResblockScalingPrecision(Precision):
             self.scales.load_state_dict(state_dict)
             if self._boundaries is not None:
                 self._sync_device_scales()
+
+
+def _buckets(params: list[Tensor]) -> list[tuple[list[Tensor], bool]]:
+    """``params`` split by (device, dtype, is a DTensor), in first-seen order."""
+    buckets: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
+    for p in params:
+        sharded = callable(getattr(p, "to_local", None))
+        local = local_shard(p) if sharded else p
+        buckets.setdefault((local.device, local.dtype, sharded), []).append(p)
+    return [(members, sharded) for (_, _, sharded), members in buckets.items()]
