@@ -6,7 +6,8 @@ count falls below ``threshold_ema_dead_code`` is re-seeded from the current batc
 stay dead. The count is per batch, so the threshold must sit far below the mean count per code (latents per batch /
 ``vocab_size``; 1 at the demo's batch of 8 images x 64 cells and 512 codes): at or above it nearly every code is
 re-seeded every step (at 2.0, 370-440 of 512 codes per step), the codebook is a sample of recent batches, and
-rarer colours were lost in some runs (docs/experiments.md). The first training batch checks it. The encoder gets the decoder's gradient through the rotation trick and a commitment loss.
+colours were lost in some runs (docs/results.md). The first training batch checks it. The encoder gets the
+decoder's gradient through the rotation trick and a commitment loss.
 Same encoder, decoder, likelihood and interface as :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`.
 
 Limitation: the library all-reduces the codebook statistics only if a process group exists when the quantizer is
