@@ -278,7 +278,6 @@ def _buckets(params: list[Tensor]) -> list[tuple[list[Tensor], bool]]:
     """``params`` split by (device, dtype, is a DTensor), in first-seen order."""
     buckets: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
     for p in params:
-        sharded = callable(getattr(p, "to_local", None))
-        local = local_shard(p) if sharded else p
-        buckets.setdefault((local.device, local.dtype, sharded), []).append(p)
+        local = local_shard(p)
+        buckets.setdefault((local.device, local.dtype, local is not p), []).append(p)
     return [(members, sharded) for (_, _, sharded), members in buckets.items()]
