@@ -16,6 +16,7 @@ import json
 
 import torch
 from dvae_bottleneck import batches
+from dvae_throughput import MODELS
 
 from dalle_lightning.models.dvae_vq import VQVAE
 
@@ -35,8 +36,7 @@ def count_reseeds(model: VQVAE) -> list[int]:
 
 def run(threshold: float, steps: int, every: int, batch: int) -> None:
     torch.manual_seed(0)
-    model = VQVAE(64, 512, latent_dim=8, n_hid=32, n_blk_per_group=1, group_count=4, codebook_dim=64, decay=0.8,
-                  commitment_weight=1.0, threshold_ema_dead_code=threshold, kmeans_init=True, use_cosine_sim=True)
+    model = MODELS["vq"](threshold_ema_dead_code=threshold)  # dvae_throughput's: dvae_vq.yaml's sizes, paper widths
     model._threshold_checked = True  # the model refuses a threshold at or above the mean count; show why it does
     counts = count_reseeds(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
