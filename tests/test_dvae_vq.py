@@ -92,3 +92,40 @@ def test_a_dead_code_threshold_at_the_mean_count_per_code_is_refused_before_any_
     model(images())  # evaluation never re-seeds codes: not checked
     for ok in (0.0, 0.04):
         assert torch.isfinite(tiny(threshold_ema_dead_code=ok).train()(images())["loss"])
+
+
+def _codebook_after_steps(rank: int, world_size: int, kmeans: bool) -> tuple[torch.Tensor, int]:
+    """In a worker: rank r trains on its half of each batch after share_codebook; its codebook afterwards."""
+    model = tiny(kmeans_init=kmeans, threshold_ema_dead_code=0.5 if kmeans else 0.0)
+    model.share_codebook()
+    model.train()
+    with torch.no_grad():
+        for step in range(4):
+            model(images(seed=10 + step)[rank * 2 : rank * 2 + 2])
+    return model.quantizer.codebook.clone(), model._processes
+
+
+@pytest.mark.distributed
+def test_two_processes_update_one_codebook_as_one_process_on_the_global_batch() -> None:
+    from tests.helpers.distributed import run_distributed
+
+    # Without k-means and restarts the update is deterministic: each rank's codebook is the one a single process
+    # builds from both halves of every batch.
+    reference = tiny(kmeans_init=False, threshold_ema_dead_code=0.0)
+    reference.train()
+    with torch.no_grad():
+        for step in range(4):
+            reference(images(seed=10 + step))
+    (a, world_a), (b, world_b) = run_distributed(_codebook_after_steps, 2, False)
+    assert world_a == world_b == 2
+    torch.testing.assert_close(a, reference.quantizer.codebook)
+    torch.testing.assert_close(b, reference.quantizer.codebook)
+    assert not torch.allclose(a, tiny(kmeans_init=False).quantizer.codebook)  # it did move
+    # With k-means and dead-code restarts (random draws on each rank) the ranks still hold one codebook.
+    (a, _), (b, _) = run_distributed(_codebook_after_steps, 2, True)
+    assert torch.equal(a, b)
+    # One process without a group: nothing changes.
+    model = tiny()
+    before = model.quantizer
+    model.share_codebook()
+    assert model.quantizer is before and model._processes == 1

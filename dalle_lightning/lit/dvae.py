@@ -77,6 +77,14 @@ class DVAEModule(FusedOptimizerClipping):
         self.val_psnr = PeakSignalNoiseRatio(data_range=1.0)
         self.val_perplexity = CodebookPerplexity(model.vocab_size)
 
+    @override
+    def setup(self, stage: str) -> None:
+        # A codebook updated from the batch (the EMA vector quantiser) must be one codebook across processes; the
+        # process group exists only now, after the model was built (dalle_lightning.models.dvae_vq).
+        share = getattr(self.model, "share_codebook", None)
+        if callable(share):
+            share()
+
     def resblocks(self) -> list[tuple[str, nn.Module]]:
         return self.model.resblocks()
 

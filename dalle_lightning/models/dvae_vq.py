@@ -10,14 +10,17 @@ colours were lost in some runs (docs/results.md). The first training batch check
 decoder's gradient through the rotation trick and a commitment loss.
 Same encoder, decoder, likelihood and interface as :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`.
 
-Limitation: the library all-reduces the codebook statistics only if a process group exists when the quantizer is
-built; ``dalle-train`` builds the model before the Trainer starts one, so under a multi-process strategy each rank
-keeps its own codebook (rank 0's is saved). One process is fine; several are not yet supported.
+Several processes: the library sums the codebook statistics (counts, sums, k-means, re-seeding draws) over
+processes only if it is built with a process group in place, and ``dalle-train`` builds the model before the Trainer
+starts one. So :meth:`VQVAE.share_codebook`, which the LightningModule calls in ``setup`` (after the group exists,
+before any update), rebuilds the quantizer to sum them: every rank then holds the codebook one process would have
+built from the whole global batch, and the dead-code threshold is checked against the global batch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from vector_quantize_pytorch import VectorQuantize
 
 from dalle_lightning.models.dvae import LOGIT_LAPLACE_EPS, DiscreteVAE
@@ -53,12 +56,25 @@ class VQVAE(DiscreteVAE):
         self.vocab_size = int(vocab_size)
         self.threshold_ema_dead_code = float(threshold_ema_dead_code)
         self._threshold_checked = False
+        self._processes = 1  # processes whose batches update the codebook (share_codebook)
+        self._quantizer_args = dict(
+            dim=latent_dim, codebook_size=vocab_size, decay=decay, commitment_weight=commitment_weight,
+            threshold_ema_dead_code=threshold_ema_dead_code, kmeans_init=kmeans_init, use_cosine_sim=use_cosine_sim,
+        )
         with torch.device("cpu"):  # k-means state and tables are built eagerly; never on the meta device
-            self.quantizer = VectorQuantize(
-                dim=latent_dim, codebook_size=vocab_size, decay=decay, commitment_weight=commitment_weight,
-                threshold_ema_dead_code=threshold_ema_dead_code, kmeans_init=kmeans_init,
-                use_cosine_sim=use_cosine_sim,
-            )
+            self.quantizer = VectorQuantize(**self._quantizer_args, sync_codebook=False)
+
+    def share_codebook(self) -> None:
+        """Make every process update one codebook from the global batch (see the module docstring): a no-op in one
+        process. Call it once the default process group exists and before the first update; the codebook's state
+        so far (e.g. loaded weights) is kept."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        state = self.quantizer.state_dict()
+        with torch.device("cpu"):
+            self.quantizer = VectorQuantize(**self._quantizer_args, sync_codebook=True)
+        self.quantizer.load_state_dict(state)
+        self._processes = dist.get_world_size()
 
     def _check_threshold(self, latents_per_batch: int) -> None:
         """Refuse a dead-code threshold at or above the mean count per code, before the first update uses it."""
@@ -74,7 +90,7 @@ class VQVAE(DiscreteVAE):
         """Latents [B, d, h, w] -> (codes [B, d, h, w], indices [B, h, w], commitment loss), in fp32."""
         b, d, h, w = latents.shape
         if self.training and not self._threshold_checked:
-            self._check_threshold(b * h * w)
+            self._check_threshold(b * h * w * self._processes)  # the statistics are summed over processes
         with torch.autocast(device_type=latents.device.type, enabled=False):
             flat = latents.float().permute(0, 2, 3, 1).reshape(b, h * w, d)
             codes, indices, commit = self.quantizer(flat)
