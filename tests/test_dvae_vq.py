@@ -129,3 +129,23 @@ def test_two_processes_update_one_codebook_as_one_process_on_the_global_batch() 
     before = model.quantizer
     model.share_codebook()
     assert model.quantizer is before and model._processes == 1
+
+
+def test_a_batch_with_nan_images_updates_the_codebook_from_its_finite_images_only() -> None:
+    """The codebook learns in the forward pass, before the non-finite guard can skip the update: a NaN image must
+    not reach it. Reference: the same model shown only the batch's finite images."""
+    batch = images(seed=3)
+    poisoned = batch.clone()
+    poisoned[1] = float("nan")
+    model, reference = tiny(kmeans_init=False, threshold_ema_dead_code=0.0), tiny(kmeans_init=False,
+                                                                                 threshold_ema_dead_code=0.0)
+    model.train(), reference.train()
+    out = model(poisoned)
+    reference(batch[[0, 2, 3]])
+    assert not torch.isfinite(out["loss"])  # the guard still sees a bad step
+    torch.testing.assert_close(model.quantizer.codebook, reference.quantizer.codebook)
+    # A batch with nothing finite leaves the codebook as it was, and the model still reconstructs.
+    before = model.quantizer.codebook.clone()
+    model(torch.full_like(batch, float("inf")))
+    torch.testing.assert_close(model.quantizer.codebook, before)
+    assert torch.isfinite(model.eval().reconstruct(batch)).all()

@@ -75,6 +75,12 @@ def test_every_stage_trains_under_the_strategy_and_the_precision_plugin(tmp_path
     header = next(iter(logged)).read_text().splitlines()[0]
     assert "schedule/temperature" in header and "schedule/kl_weight" in header and "precision/skipped_updates" in header
 
+    # The EMA vector-quantised dVAE: one codebook across the 4 processes (VQVAE.share_codebook), its own output.
+    train(work, "stage=dvae", "model=dvae_vq", f"output={work / 'dvae_vq.pt'}", "precision.dtype=bf16",
+          "model.n_hid=8", "model.vocab_size=32", "model.block_min_hidden=0", "data.batch_size=4",
+          "trainer.max_steps=10", "callbacks.ema.update_starting_at_step=4")
+    assert "quantizer._codebook.embed" in plain_artifact(work / "dvae_vq.pt")
+
     run_app(encode.main, f"paths.work_dir={work}", "batch_size=32")
 
     # CLIP in fp16: open_clip's scalar logit_scale stays whole on every rank.

@@ -93,8 +93,26 @@ class VQVAE(DiscreteVAE):
             self._check_threshold(b * h * w * self._processes)  # the statistics are summed over processes
         with torch.autocast(device_type=latents.device.type, enabled=False):
             flat = latents.float().permute(0, 2, 3, 1).reshape(b, h * w, d)
-            codes, indices, commit = self.quantizer(flat)
+            finite = torch.isfinite(flat).all(dim=-1) if self.training else None
+            if finite is None or bool(finite.all()):
+                codes, indices, commit = self.quantizer(flat)
+            else:
+                codes, indices, commit = self._quantize_finite_rows(flat, finite)
         return codes.reshape(b, h, w, d).permute(0, 3, 1, 2), indices.reshape(b, h, w).long(), commit.sum()
+
+    def _quantize_finite_rows(self, flat: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A training batch with NaN or Inf latents: the codebook learns from its finite rows only. Its statistics
+        are updated in the forward pass, so the non-finite guard's skipped update would not keep a NaN out of them,
+        and one bad batch would poison every later step. The loss stays non-finite (the guard still skips the
+        update, the precision plugin still backs off), and every process still takes part in the codebook's
+        collectives: with no finite row at all, one row holds a code's own vector, which leaves the codes in place."""
+        safe = flat.masked_fill(~finite.unsqueeze(-1), 0.0)
+        if not bool(finite.any()):
+            safe[0, 0] = self.quantizer.codebook[0].detach().to(safe.dtype)
+            finite = finite.clone()
+            finite[0, 0] = True
+        codes, indices, commit = self.quantizer(safe, mask=finite)
+        return codes, indices, commit + flat.sum() * 0  # NaN * 0 is NaN: the step's loss says what happened
 
     def get_codebook_indices(self, images: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
