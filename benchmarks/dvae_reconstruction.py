@@ -5,7 +5,7 @@ The recipe of docs/results.md: ``caption_accuracy(dvae.reconstruct(images_of(eva
 Each split reports accuracy and the per-check shares overall and for one- and two-object captions; the codes in
 use (distinct argmax codes) and the perplexity (exp of the code histogram's entropy) are over both splits' images.
 
-Usage: ``python benchmarks/dvae_reconstruction.py outputs/demo/dvae.pt [--seed 1] [--n 200]``.
+Usage: ``python benchmarks/dvae_reconstruction.py [outputs/demo/dvae.pt] [--seed 1] [--n 200]``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def report(path: str, seed: int, n: int, batch: int = 100) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="a dVAE artifact (dvae.pt)")
+    parser.add_argument("model", nargs="?", default="outputs/demo/dvae.pt", help="a dVAE artifact (default: the demo's)")
     parser.add_argument("--seed", type=int, default=1, help="eval_scenes seed (the demo evaluates seed 0)")
     parser.add_argument("--n", type=int, default=200, help="renders per split")
     args = parser.parse_args()
