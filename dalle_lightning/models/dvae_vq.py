@@ -103,9 +103,9 @@ class VQVAE(DiscreteVAE):
     def _quantize_finite_rows(self, flat: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A training batch with NaN or Inf latents: the codebook learns from its finite rows only. Its statistics
         are updated in the forward pass, so the non-finite guard's skipped update would not keep a NaN out of them,
-        and one bad batch would poison every later step. The loss stays non-finite (the guard still skips the
-        update, the precision plugin still backs off), and every process still takes part in the codebook's
-        collectives: with no finite row at all, one row holds a code's own vector, which leaves the codes in place."""
+        and one bad batch would poison every later step. The loss stays non-finite, so the guard still skips the
+        update, and every process still takes part in the codebook's collectives: with no finite row at all, one
+        row holds a code's own vector, which leaves the codes in place."""
         safe = flat.masked_fill(~finite.unsqueeze(-1), 0.0)
         if not bool(finite.any()):
             safe[0, 0] = self.quantizer.codebook[0].detach().to(safe.dtype)
