@@ -11,10 +11,17 @@ update attempt the scales move by these rules:
 
 The cooldown protects a scale that works: it stops a block that overflows now and then from backing off again
 and again within ``cooldown`` attempts while updates still get applied. It does not hold while training is
-stuck: if no update at all was applied since a block's last backoff (every attempt since then overflowed), the
-block backs off again at once. So a scale that starts too high falls by 1/sqrt(2) per attempt until an update
-goes through, as a global dynamic loss scaler recovers, instead of one step per ``cooldown`` attempts (which
-from 2^13 takes thousands of skipped updates to clear a few powers of two). Exponents (not scales) are stored, in
+stuck, in two cases where the paper's rule read literally skips up to ``cooldown`` updates in a row:
+
+- no update at all was applied since the block's last backoff (every attempt since then overflowed): a scale
+  that starts too high falls by 1/sqrt(2) per attempt until an update goes through, as a global dynamic loss
+  scaler recovers, instead of one step per ``cooldown`` attempts (which from 2^13 takes thousands of skipped
+  updates to clear a few powers of two);
+- the block overflowed on the previous attempt too (two skipped attempts in a row flag it): an overflow that
+  persists is not "now and then". Without this, a block that backs off, lets one update through, then overflows
+  at every attempt skips the next ``cooldown`` updates (seen: a 4-process fp16 CLIP skipped every update from
+  its third on). With the paper's ~5% skipped updates, two in a row flagging one block are rare, and the extra
+  backoff is regained in 500 applied updates. Exponents (not scales) are stored, in
 float64, so a million growth steps of 0.001 do not drift and ``M`` may change on resume.
 
 Pure torch/python, no Lightning: the precision plugin owns one ``BlockScales`` and feeds it the flags.
@@ -71,6 +78,7 @@ class BlockScales:
         n = len(self.names)
         self.log2 = torch.full((n,), float(self.rules.init_log2), dtype=torch.float64)
         self.last_backoff = torch.full((n,), _NEVER, dtype=torch.int64)
+        self.last_flagged = torch.full((n,), _NEVER, dtype=torch.int64)  # last attempt that flagged each block
         self.nonfinite_counts = torch.zeros(n, dtype=torch.int64)
         self.updates = 0  # update attempts so far (applied + skipped): the clock of the cooldown
         self.skipped = 0
@@ -102,9 +110,11 @@ class BlockScales:
             self.nonfinite_counts += bad.to(torch.int64)
             cooled = self.updates - self.last_backoff >= rules.cooldown
             stuck = self.last_backoff > self.last_applied  # nothing applied since this block's last backoff
-            may = bad & (cooled | stuck)
+            again = self.last_flagged == self.updates - 1  # this block made the previous attempt skip too
+            may = bad & (cooled | stuck | again)
             self.log2[may] += math.log2(rules.backoff_factor)
             self.last_backoff[may] = self.updates
+            self.last_flagged[bad] = self.updates
         self.log2.clamp_(rules.min_log2, rules.max_log2)
         self.updates += 1
         return step
@@ -115,6 +125,7 @@ class BlockScales:
             "names": list(self.names),
             "log2": self.log2.tolist(),
             "last_backoff": self.last_backoff.tolist(),
+            "last_flagged": self.last_flagged.tolist(),
             "nonfinite_counts": self.nonfinite_counts.tolist(),
             "updates": self.updates,
             "skipped": self.skipped,
@@ -129,6 +140,9 @@ class BlockScales:
             )
         self.log2 = torch.tensor(state["log2"], dtype=torch.float64)
         self.last_backoff = torch.tensor(state["last_backoff"], dtype=torch.int64)
+        flagged = state.get("last_flagged")  # absent in checkpoints written before it existed: none is recent
+        self.last_flagged = (torch.tensor(flagged, dtype=torch.int64) if flagged is not None
+                             else torch.full_like(self.last_backoff, _NEVER))
         self.nonfinite_counts = torch.tensor(state["nonfinite_counts"], dtype=torch.int64)
         self.updates = int(state["updates"])
         self.skipped = int(state["skipped"])

@@ -78,6 +78,21 @@ def test_a_scale_that_starts_too_high_recovers_without_waiting_for_the_cooldown(
     assert s.log2.tolist() == pytest.approx([8.001 + 0.045] * 2, abs=1e-9)
 
 
+def test_a_block_that_overflows_at_every_attempt_after_one_applied_update_backs_off_again() -> None:
+    """The pattern a 4-process fp16 CLIP met: the block backs off, one update goes through, then the block
+    overflows at every attempt above 2^11. Read literally, the cooldown holds its scale for 125 skipped attempts;
+    a block flagged on two attempts in a row is not overflowing now and then, so it backs off at the second."""
+    s = BlockScales(["a", "b"])
+    assert s.update(_flags(0, n=2)) is False  # 13 -> 12.5
+    assert s.update(_flags(n=2)) is True  # one update goes through: 12.501
+    applied = [s.update(torch.tensor([bool(s.log2[0] > 11.0), False])) for _ in range(10)]
+    # attempt 2 skips under the cooldown, attempts 3 and 4 back off (12.001, 11.501), attempt 5 overflows again
+    # (11.501 > 11) and backs off to 11.001, which still overflows: 11.001 -> 10.501 at attempt 6, then updates go on.
+    assert applied == [False] * 5 + [True] * 5
+    assert s.log2[0].item() == pytest.approx(10.501 + 0.005, abs=1e-9)
+    assert s.log2[1].item() == pytest.approx(13.0 + 0.001 * 6, abs=1e-9)  # the other block never backed off
+
+
 def test_non_block_nonfinite_skips_without_backoff() -> None:
     s = BlockScales(["a", "b"], ScaleRules(cooldown=0))
     assert s.update(_flags(n=2), other_nonfinite=True) is False
