@@ -117,6 +117,10 @@ def test_state_dict_round_trip_continues_cooldown() -> None:
     assert b.log2[0].item() == pytest.approx(13 - 0.5 + 0.001)  # second overflow 2 attempts later: still cooling down
     a.update(_flags(0, n=2))
     assert b.state_dict() == a.state_dict()
+    older = {k: v for k, v in a.state_dict().items() if k != "last_flagged"}  # written before the key existed
+    c = BlockScales(["x", "y"], rules)
+    c.load_state_dict(older)
+    assert c.last_flagged.tolist() == [-(2**62)] * 2 and c.log2.tolist() == a.log2.tolist()
 
 
 @pytest.mark.parametrize(
