@@ -60,15 +60,18 @@ def report(clip_path: str, dvae_path: str | None, seed: int, n: int) -> dict:
         scenes = eval_scenes(seed, split, n)
         captions = [s.caption for s in scenes]
         two = np.array([len(s.objects) == 2 for s in scenes])
+        views = {"renders": lambda images: images}  # how the images are shown to CLIP
+        if dvae is not None:
+            views["reconstructions"] = lambda images: dvae.reconstruct(images).float().clamp(0, 1)
         true_images = images_of(scenes)
+        with torch.no_grad():  # the true images' scores, once per split and view (every edit is scored against them)
+            true_scores = {kind: clip.score(view(true_images), captions) for kind, view in views.items()}
         for attribute in EDITS:
             others, small = edited(scenes, attribute, rng)
-            pairs = {"renders": (true_images, images_of(others))}
-            if dvae is not None:
+            edited_images = images_of(others)
+            for kind, view in views.items():
                 with torch.no_grad():
-                    pairs["reconstructions"] = tuple(dvae.reconstruct(x).float().clamp(0, 1) for x in pairs["renders"])
-            for kind, (a, b) in pairs.items():
-                wins = (clip.score(a, captions) > clip.score(b, captions)).numpy()
+                    wins = (true_scores[kind] > clip.score(view(edited_images), captions)).numpy()
                 out[f"{split}/{attribute}/{kind}"] = shares(wins, small, two)
     return out
 
