@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from strategies.scale_rules import BlockScales, ScaleRules
+from strategies.scale_rules import _NEVER, BlockScales, ScaleRules
 
 
 def _flags(*bad: int, n: int = 3) -> torch.Tensor:
@@ -120,7 +120,7 @@ def test_state_dict_round_trip_continues_cooldown() -> None:
     older = {k: v for k, v in a.state_dict().items() if k != "last_flagged"}  # written before the key existed
     c = BlockScales(["x", "y"], rules)
     c.load_state_dict(older)
-    assert c.last_flagged.tolist() == [-(2**62)] * 2 and c.log2.tolist() == a.log2.tolist()
+    assert c.last_flagged.tolist() == [_NEVER] * 2 and c.log2.tolist() == a.log2.tolist()
 
 
 @pytest.mark.parametrize(
