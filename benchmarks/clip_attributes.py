@@ -84,20 +84,22 @@ def report(clip_path: str, dvae_path: str | None, seed: int, n: int) -> dict:
         true_images = images_of(scenes)
         with torch.no_grad():  # the true images' scores, once per split and view (every edit is scored against them)
             true_scores = {kind: clip.score(view(true_images), captions) for kind, view in views.items()}
+
+        @torch.no_grad()
+        def wins(others: list[Scene], keep: np.ndarray) -> dict[str, np.ndarray]:
+            """Per view, whether each kept scene's true image outscores its edited one under the true caption."""
+            images, kept = images_of([s for s, k in zip(others, keep) if k]), [c for c, k in zip(captions, keep) if k]
+            return {kind: (true_scores[kind][keep] > clip.score(view(images), kept)).numpy()
+                    for kind, view in views.items()}
+
+        every = np.ones(len(scenes), dtype=bool)
         for attribute in EDITS:
             others, small = edited(scenes, attribute, rng)
-            edited_images = images_of(others)
-            for kind, view in views.items():
-                with torch.no_grad():
-                    wins = (true_scores[kind] > clip.score(view(edited_images), captions)).numpy()
-                out[f"{split}/{attribute}/{kind}"] = shares(wins, small, two)
-        others, changed = swapped(scenes)
-        edited_images = images_of(others)
-        for kind, view in views.items():
-            with torch.no_grad():
-                wins = (true_scores[kind] > clip.score(view(edited_images), captions)).numpy()
-            out[f"{split}/swap/{kind}"] = {"two_objects": round(float(wins[changed].mean()), 3),
-                                           "scenes": int(changed.sum())}
+            for kind, won in wins(others, every).items():
+                out[f"{split}/{attribute}/{kind}"] = shares(won, small, two)
+        others, changed = swapped(scenes)  # only the changed scenes are scored
+        for kind, won in wins(others, changed).items():
+            out[f"{split}/swap/{kind}"] = {"two_objects": round(float(won.mean()), 3), "scenes": int(changed.sum())}
     return out
 
 
