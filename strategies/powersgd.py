@@ -38,6 +38,7 @@ from strategies.comm_dtype import from_comm, resolve_comm_dtype, to_comm
 from strategies.householder import orthogonalize_all
 
 FP32_BYTES = 4
+DEFAULT_RANK = 4  # the strategy's rank when neither a rank nor a compression is given
 
 
 def plan_rank(shape: Sequence[int], rank: int, min_compression: float) -> int:
@@ -55,6 +56,35 @@ def plan_rank(shape: Sequence[int], rank: int, min_compression: float) -> int:
     if n * m < min_compression * r * (n + m):
         return 0
     return r
+
+
+def saved_share(shapes: Sequence[Sequence[int]], rank: int, min_compression: float) -> float:
+    """The share of the compressed matrices' fp32 bytes that rank ``rank`` saves (0.0 when none is compressed):
+    1 - sum r (n + m) / sum n m over the matrices :func:`plan_rank` compresses, the paper's "compression"."""
+    full = low = 0
+    for shape in shapes:
+        r = plan_rank(shape, rank, min_compression)
+        if r:
+            n, m = int(shape[0]), math.prod(int(s) for s in shape[1:])
+            full, low = full + n * m, low + r * (n + m)
+    return 1.0 - low / full if full else 0.0
+
+
+def rank_for_compression(shapes: Sequence[Sequence[int]], compression: float, min_compression: float) -> int:
+    """The largest rank that still saves at least ``compression`` of the compressed matrices' bytes.
+
+    The paper states its setting this way (86% at its 12B model); the rank that achieves it depends on the
+    matrices, so it is derived from the gradient shapes. Raises when no rank saves that much.
+    """
+    largest = max((min(int(s[0]), math.prod(int(x) for x in s[1:])) for s in shapes if len(s) >= 2), default=0)
+    best = 0
+    for r in range(1, largest + 1):
+        if saved_share(shapes, r, min_compression) >= compression:
+            best = r
+    if not best:
+        raise ValueError(f"compression={compression!r} is out of reach: rank 1 saves "
+                         f"{saved_share(shapes, 1, min_compression):.4f} of the compressed matrices' bytes")
+    return best
 
 
 def factor_bytes(n: int, m: int, r: int, comm_dtype: torch.dtype) -> int:
@@ -323,6 +353,26 @@ class PowerSGD:
         return [c.view(t.shape) for t, c in zip(tensors, flat.split([t.numel() for t in tensors]))]
 
     # ------------------------------------------------------------------ buffers
+
+    def plan(self, shape: Sequence[int]) -> int:
+        """This compressor's rank for a gradient of ``shape`` (0: sent uncompressed); see :func:`plan_rank`."""
+        return plan_rank(shape, self.rank, self.min_compression)
+
+    def fixed_q(self, name: str, cols: int, r: int, device: torch.device) -> torch.Tensor:
+        """The Q of ``name`` (m x r): the fixed Gaussian, or last step's Q' with ``warm_start``."""
+        return self._fixed_q(name, cols, r, device)
+
+    def error_buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """The fp32 error buffer of ``name`` (zeros the first time)."""
+        return self._error_buffer(name, shape, device)
+
+    def set_error_buffer(self, name: str, value: torch.Tensor) -> None:
+        """Commit a staged error buffer (an exchange that computed ``M - P Q'^T`` apart from the buffer)."""
+        self._error[name] = value
+
+    def set_q(self, name: str, value: torch.Tensor) -> None:
+        """Commit a staged Q (``warm_start``)."""
+        self._q[name] = value
 
     def _fixed_q(self, name: str, cols: int, r: int, device: torch.device) -> torch.Tensor:
         if name not in self._q:

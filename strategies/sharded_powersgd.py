@@ -72,9 +72,10 @@ from strategies.dcp_checkpoint import (
     unpack,
 )
 from strategies.dtypes import resolve_dtype
+from strategies.exchange import OverlappedExchange
 from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 from strategies.mesh import build_mesh, local_shard
-from strategies.powersgd import PowerSGD, finite_per_tensor
+from strategies.powersgd import DEFAULT_RANK, PowerSGD, finite_per_tensor, rank_for_compression
 from strategies.prefetch import apply_prefetch
 from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
 
@@ -220,7 +221,12 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         prefetch_depth: number of blocks gathered ahead in forward and behind in backward (0: FSDP default).
         activation_checkpointing: recompute each block's activations in backward.
         param_dtype / reduce_dtype: FSDP ``MixedPrecisionPolicy`` (``None`` keeps the parameters' dtype).
-        powersgd_rank, start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
+        powersgd_rank: PowerSGD's rank r per gradient shard; or ``compression``, the share of the compressed
+            matrices' fp32 bytes to save (the paper's figure, e.g. 0.86), from which the rank is derived once the
+            model is known. Not both; neither: rank ``DEFAULT_RANK``.
+        overlap: start each bucket's inter-node exchange during the backward, as soon as its gradients are
+            ready (:mod:`strategies.exchange`; one device per node); off: the whole exchange after the backward.
+        start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
             :class:`~strategies.powersgd.PowerSGD`.
         uncompressed_patterns: fnmatch patterns of parameter names all-reduced uncompressed (in addition to
             embeddings and 1-D parameters), e.g. the unembedding.
@@ -247,7 +253,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         param_dtype: torch.dtype | str | None = None,
         reduce_dtype: torch.dtype | str | None = None,
-        powersgd_rank: int = 4,
+        powersgd_rank: int | None = None,
+        compression: float | None = None,
+        overlap: bool = True,
         start_step: int = 0,
         warm_start: bool = False,
         error_feedback: bool = True,
@@ -278,6 +286,17 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
         self.uncompressed_patterns = list(uncompressed_patterns)
+        if powersgd_rank is not None and compression is not None:
+            raise ValueError(f"powersgd_rank={powersgd_rank!r} and compression={compression!r} both given; "
+                             "set one: the rank, or the share of bytes to save from which the rank follows")
+        if compression is not None and not 0 < compression < 1:
+            raise ValueError(f"compression={compression!r}, expected a share of bytes saved between 0 and 1 (e.g. 0.86)")
+        if powersgd_rank is not None and (not isinstance(powersgd_rank, int) or powersgd_rank < 1):
+            raise ValueError(f"powersgd_rank={powersgd_rank!r}, expected a positive integer")
+        self.compression = compression
+        self.overlap = overlap
+        if powersgd_rank is None:
+            powersgd_rank = DEFAULT_RANK
         self._powersgd_kwargs: dict[str, Any] = dict(
             rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
             comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps,
@@ -292,6 +311,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
         self._reduce_time = [0.0, 0]  # seconds in reduce_gradients and its calls (after the first), for the stats
         self._exchange_figures: dict[str, float] = {}  # the last fit's, see exchange_figures()
+        self._exchange: OverlappedExchange | None = None  # the overlapped path (one device per node, several nodes)
 
     @property
     @override
@@ -335,6 +355,13 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         self.powersgd = PowerSGD(self._device_mesh["replicate"].get_group(), dense_with_p=True, **self._powersgd_kwargs)
+        self._exchange = None
+        if self.overlap and per_node == 1 and self.world_size > 1:
+            # Two more groups over the same ranks: P's and Q''s are issued at different moments on each rank, so
+            # each kind needs a group of its own to keep the order of issue equal everywhere (strategies/exchange.py).
+            groups = [dist.new_group(list(range(self.world_size)), timeout=self._timeout, backend=backend)
+                      for _ in range(2)]
+            self._exchange = OverlappedExchange(self.powersgd, *groups)
         self._reduce_time = [0.0, 0]  # timed per fit, like the compressor's own counters
 
     # ------------------------------------------------------------------ model setup
@@ -364,12 +391,23 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             self.model = self._root = self._shard(module)
             # not a submodule (no parameters counted twice): a plain attribute the module carries to later Trainers
             object.__setattr__(module, SHARDED_ROOT_ATTR, (self._root, shard_size))
+        self._resolve_rank(module)
+        if self._exchange is not None:
+            self._exchange.attach(module, self.block_names, self._uncompressed, embedding_param_names(module))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_rank(self, module: nn.Module) -> None:
+        """With ``compression`` set: the rank that saves that share of the compressed matrices' bytes."""
+        if self.compression is None or self.powersgd is None:
+            return
+        shapes = [local_shard(p).shape for n, p in module.named_parameters()
+                  if p.requires_grad and n not in self._uncompressed]
+        self.powersgd.rank = rank_for_compression(shapes, self.compression, self.powersgd.min_compression)
 
     def _plan(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """The blocks that become FSDP units; records their names and the parameters PowerSGD leaves dense."""
@@ -468,6 +506,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._exchange is not None:
+            self._exchange.begin(active=self._reduces_in_backward())
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         for p in untouched:
             p.grad = None
@@ -639,6 +679,8 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
 
     def _reduce_gradients(self) -> bool:
         assert self.powersgd is not None and self.lightning_module is not None
+        if self._exchange is not None and self._exchange.active:
+            return self._exchange.finish()  # the backward has sent most of it already
         finite = self._agree_flags()
         if finite and not self._average_replicated():
             finite = False
@@ -713,6 +755,12 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view(g.shape))
         return bool(finite_per_tensor([flat]).all())
+
+    @override
+    def teardown(self) -> None:
+        if self._exchange is not None:
+            self._exchange.detach()  # a later fit (or Trainer) attaches again to the model it then has
+        super().teardown()
 
     def _log_stats(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -5,7 +5,8 @@
 - P's of one shape share one batched QR: checked against one QR per matrix.
 - ``dense_with_p`` sends the uncompressed gradients in P's all-reduce: the same averages, one collective fewer.
 - The strategy agrees on unused parameters and the skip decision in one collective: a synchronised step of
-  ``ShardedPowerSGDStrategy`` at one device per node issues three all-reduces (flags, dense + P, Q').
+  ``ShardedPowerSGDStrategy`` at one device per node without overlap issues three all-reduces (flags, dense + P,
+  Q'); the overlapped exchange is ``tests/test_exchange_overlap.py``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _strategy_step_collectives(rank: int, world_size: int) -> dict:
     external_launch_env(rank)
     torch.manual_seed(0)
     module = TinyModule(TinyResNet(), lambda ps: torch.optim.SGD(ps, lr=0.1))
-    strategy = ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=1)  # rank 1: every matrix compressed
+    strategy = ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=1, overlap=False)  # rank 1: every matrix compressed
     calls: list[tuple[int, str]] = []
     real = dist.all_reduce
 
