@@ -49,8 +49,19 @@ from strategies.comm_dtype import from_comm, to_comm
 from strategies.householder import orthogonalize_all
 from strategies.powersgd import FP32_BYTES, PowerSGD, finite_per_tensor
 
+import os
+_DEFER = os.environ.get("DALLE_EXCHANGE_DEFER") == "1"  # experiment: issue every bucket at the end
 ROOT_BUCKET = "<root>"  # parameters outside every resblock: sent after the flags (embedding rows need them)
 MASK_BYTES = 1  # one uint8 per embedding row in the flag all-reduce
+
+
+class ExchangeError(RuntimeError):
+    """A collective of the exchange failed (a peer or the link is down); ``waiting_on`` names it."""
+
+    def __init__(self, waiting_on: str, error: BaseException) -> None:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        super().__init__(f"{waiting_on}: {first}")
+        self.waiting_on, self.reason = waiting_on, first
 
 
 @dataclass
@@ -60,12 +71,14 @@ class Bucket:
     name: str
     params: list[tuple[str, nn.Parameter]]
     ready: int = 0  # gradients accumulated in this backward
+    bytes: int = 0  # of its parameters
 
 
 @dataclass
 class _Flight:
     """One bucket's exchange in progress: what it sends, the staged values, and its collectives."""
 
+    bucket: str
     dense: list[tuple[str, torch.Tensor, torch.Tensor | None]]  # (name, grad, rows sent, None for all)
     low: list[tuple[str, torch.Tensor, int]]  # (name, grad, rank)
     mats: list[torch.Tensor] = field(default_factory=list)  # staged M = e + g, fp32
@@ -89,11 +102,15 @@ class OverlappedExchange:
             same object serves the end-of-backward path, so a run can switch between both at any step.
         p_group, q_group: two process groups over the same replicate ranks (see the module docstring).
         flag_group: the group over which the skip decision and unused gradients are agreed (every rank).
+        bucket_cap_mb: consecutive resblocks share a bucket while their parameters fit in this many MiB (0: one
+            bucket per resblock). Each bucket costs two collectives, and each collective a wake-up of the
+            communication threads, which on busy cores costs more than the bytes on a fast link.
     """
 
     def __init__(self, powersgd: PowerSGD, p_group: dist.ProcessGroup, q_group: dist.ProcessGroup,
-                 flag_group: dist.ProcessGroup | None = None) -> None:
+                 flag_group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 0.0) -> None:
         self.powersgd = powersgd
+        self.bucket_cap_mb = bucket_cap_mb
         self.p_group, self.q_group, self.flag_group = p_group, q_group, flag_group
         self.buckets: list[Bucket] = []
         self._uncompressed: set[str] = set()
@@ -101,7 +118,7 @@ class OverlappedExchange:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._active = False
         self._flights: list[_Flight] = []  # issued this step, in bucket order
-        self._grads: dict[str, torch.Tensor] = {}
+        self.waiting_on = ""  # the collective the step is waiting for, for an error that names it
 
     # ------------------------------------------------------------------ set-up
 
@@ -121,7 +138,17 @@ class OverlappedExchange:
             if members:
                 blocks.append(Bucket(block, members))
         rest = [(n, p) for n, p in named if id(p) not in taken]
-        self.buckets = blocks[::-1] + ([Bucket(ROOT_BUCKET, rest)] if rest else [])
+        merged: list[Bucket] = []
+        for block in blocks[::-1]:  # backward order; consecutive blocks share a bucket up to bucket_cap_mb
+            size = sum(p.numel() * p.element_size() for _, p in block.params)
+            if merged and merged[-1].bytes + size <= self.bucket_cap_mb * 2**20:
+                merged[-1].params += block.params
+                merged[-1].name += "+" + block.name
+                merged[-1].bytes += size
+            else:
+                block.bytes = size
+                merged.append(block)
+        self.buckets = merged + ([Bucket(ROOT_BUCKET, rest)] if rest else [])
         self._row_sparse = [n for n, p in rest if n in row_sparse and p.dim() == 2]
         for index, bucket in enumerate(self.buckets[:-1] if rest else self.buckets):
             for _, p in bucket.params:
@@ -135,10 +162,13 @@ class OverlappedExchange:
 
     def _hook(self, index: int):
         def ready(_: torch.Tensor) -> None:
-            if self._active:
+            if self._active and not _DEFER:
                 bucket = self.buckets[index]
                 bucket.ready += 1
-                self._issue_ready()
+                try:
+                    self._issue_ready()
+                except (RuntimeError, dist.DistError) as error:
+                    raise ExchangeError(self.waiting_on or f"the exchange of bucket {bucket.name}", error) from error
         return ready
 
     # ------------------------------------------------------------------ one step
@@ -148,6 +178,7 @@ class OverlappedExchange:
         if self._flights:
             raise RuntimeError("OverlappedExchange.begin() with an exchange still in flight; finish() it first")
         self._active = active and bool(self.buckets)
+        self.waiting_on = ""
         for bucket in self.buckets:
             bucket.ready = 0
 
@@ -165,9 +196,17 @@ class OverlappedExchange:
             self._issue(bucket, rows={})
         self._progress(block=False)
 
-    @torch.no_grad()
     def finish(self) -> bool:
         """After the backward: agree on the flags, send what is left, wait, commit. False: skip the update."""
+        try:
+            return self._finish()
+        except ExchangeError:
+            raise
+        except (RuntimeError, dist.DistError) as error:
+            raise ExchangeError(self.waiting_on or "the end of the exchange", error) from error
+
+    @torch.no_grad()
+    def _finish(self) -> bool:
         assert self._active
         self._active = False
         ps = self.powersgd
@@ -178,6 +217,7 @@ class OverlappedExchange:
         used = torch.tensor([p.grad is not None for _, p in named], dtype=torch.uint8)
         flags = torch.cat([used.to(bad.device), bad.to(torch.uint8), *[m.to(bad.device) for m in masks]])
         if dist.is_initialized():
+            self.waiting_on = "the flag all-reduce (non-finite gradients, unused parameters, embedding rows)"
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flag_group)
         flags_host = flags.cpu()  # the step's one host synchronisation
         n = len(named)
@@ -235,7 +275,7 @@ class OverlappedExchange:
                 low.append((name, g, r))
             else:
                 dense.append((name, g, rows.get(name)))
-        flight = _Flight(dense, low)
+        flight = _Flight(bucket.name, dense, low)
         dense_parts = [(g if idx is None else g.index_select(0, idx.to(g.device))).reshape(-1).float()
                        for _, g, idx in dense]
         pts = []
@@ -274,12 +314,14 @@ class OverlappedExchange:
                 continue
             if not block and not all(w.is_completed() for w in flight.works):
                 return
+            self.waiting_on = f"the P all-reduce of bucket {flight.bucket}"
             for w in flight.works:
                 w.wait()
             self._issue_q(flight)
         if block:
             for flight in self._flights:
                 if flight.q_work is not None:
+                    self.waiting_on = f"the Q' all-reduce of bucket {flight.bucket}"
                     flight.q_work.wait()
 
     def _issue_q(self, flight: _Flight) -> None:

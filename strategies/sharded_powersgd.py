@@ -72,7 +72,7 @@ from strategies.dcp_checkpoint import (
     unpack,
 )
 from strategies.dtypes import resolve_dtype
-from strategies.exchange import OverlappedExchange
+from strategies.exchange import ExchangeError, OverlappedExchange
 from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 from strategies.mesh import build_mesh, local_shard
 from strategies.powersgd import DEFAULT_RANK, PowerSGD, finite_per_tensor, rank_for_compression
@@ -256,6 +256,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         powersgd_rank: int | None = None,
         compression: float | None = None,
         overlap: bool = True,
+        bucket_cap_mb: float = 0.0,
         start_step: int = 0,
         warm_start: bool = False,
         error_feedback: bool = True,
@@ -295,6 +296,9 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             raise ValueError(f"powersgd_rank={powersgd_rank!r}, expected a positive integer")
         self.compression = compression
         self.overlap = overlap
+        if not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}, expected a non-negative size in MiB")
+        self.bucket_cap_mb = bucket_cap_mb
         if powersgd_rank is None:
             powersgd_rank = DEFAULT_RANK
         self._powersgd_kwargs: dict[str, Any] = dict(
@@ -361,7 +365,7 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
             # each kind needs a group of its own to keep the order of issue equal everywhere (strategies/exchange.py).
             groups = [dist.new_group(list(range(self.world_size)), timeout=self._timeout, backend=backend)
                       for _ in range(2)]
-            self._exchange = OverlappedExchange(self.powersgd, *groups)
+            self._exchange = OverlappedExchange(self.powersgd, *groups, bucket_cap_mb=self.bucket_cap_mb)
         self._reduce_time = [0.0, 0]  # timed per fit, like the compressor's own counters
 
     # ------------------------------------------------------------------ model setup
@@ -502,13 +506,17 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         # ``on_after_backward`` (the precision plugin's ``post_backward``), so that hook sees averaged gradients as
         # under ``ddp``.
         untouched = self._before_backward(closure_loss)
+        self._backward_start = time.perf_counter()
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._exchange is not None:
             self._exchange.begin(active=self._reduces_in_backward())
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        try:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        except ExchangeError as error:  # a bucket's collective, issued from a gradient hook, failed
+            raise RuntimeError(self._exchange_failure(error, time.perf_counter() - self._backward_start)) from error
         for p in untouched:
             p.grad = None
         if self._reduces_in_backward():
@@ -670,12 +678,29 @@ class ShardedPowerSGDStrategy(ModelParallelStrategy):
         """
         assert self.powersgd is not None and self.lightning_module is not None
         start = time.perf_counter()
-        ok = self._reduce_gradients()
+        try:
+            ok = self._reduce_gradients()
+        except (RuntimeError, dist.DistError) as error:
+            since = getattr(self, "_backward_start", start)  # the overlapped exchange started in the backward
+            raise RuntimeError(self._exchange_failure(error, time.perf_counter() - min(since, start))) from error
         if self.powersgd.stats.steps + self.powersgd.stats.skipped_steps > 1:  # the first allocates its buffers
             self._reduce_time[0] += time.perf_counter() - start
             self._reduce_time[1] += 1
         self._log_stats()
         return ok
+
+    def _exchange_failure(self, error: BaseException, seconds: float) -> str:
+        """One line for a failed exchange between nodes: which collective, with which nodes, after how long."""
+        per_node = self.device_mesh["shard"].size()
+        nodes = sorted({r // per_node for r in range(self.world_size)} - {self.global_rank // per_node})
+        if isinstance(error, ExchangeError):
+            what, first = error.waiting_on, error.reason
+        else:
+            what = "the inter-node gradient exchange"
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        return (f"node {self.global_rank // per_node} (rank {self.global_rank}): {what} with node(s) {nodes} failed "
+                f"after {seconds:.1f} s (timeout {timeout:g} s): {first}; the link or a peer node is down")
 
     def _reduce_gradients(self) -> bool:
         assert self.powersgd is not None and self.lightning_module is not None

@@ -1,0 +1,179 @@
+"""The strategy between two "machines" joined by a real link: two network namespaces and a veth pair.
+
+Each namespace runs one ``torchrun`` agent (``--nnodes=2``, gloo bound to its veth end) training the prior from
+``dalle-train``, as two hosts would (``benchmarks/_two_hosts.py`` makes and removes the namespaces):
+
+- 2 nodes x 1 and 2 nodes x 2 processes end with identical replicas (``replica_divergence`` 0);
+- the link taken down mid-run, or one node killed whole: the survivors end within the strategy's ``timeout``
+  with an error naming what failed, nothing is left running, no checkpoint is half-written, and ``resume=auto``
+  (link up again) continues to the weights of an uninterrupted run.
+
+Skipped, in one line, where this host cannot make a namespace with a veth and ``tbf`` (no root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_app
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("_two_hosts", ROOT / "benchmarks" / "_two_hosts.py")
+assert _spec is not None and _spec.loader is not None
+two_hosts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(two_hosts)
+
+TIMEOUT_S = 8  # the strategy's collective timeout in the failure cases
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def hosts() -> two_hosts.TwoHosts:
+    reason = two_hosts.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with two_hosts.TwoHosts() as made:
+        made.shape(200)  # a slow link: 200 Mbit/s each way
+        yield made
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dalle_lightning.cli import data, encode
+    from dalle_lightning.cli import train as train_app
+
+    work = tmp_path_factory.mktemp("two_namespaces")
+    w = f"paths.work_dir={work}"
+    run_app(data.main, w, "n_train=64", "n_val=16", "n_zeroshot=8", "shard_size=32")
+    run_app(train_app.main, "stage=tokenizer", w)
+    run_app(train_app.main, "stage=dvae", w, "model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16",
+            "data.batch_size=8", "trainer.max_steps=2", "trainer.enable_progress_bar=false")
+    run_app(encode.main, w, "batch_size=32")
+    return work
+
+
+def start(hosts: two_hosts.TwoHosts, work: Path, name: str, per_node: int, *overrides: str,
+          runs: Path | None = None) -> list[subprocess.Popen]:
+    """One agent per namespace; node ``n`` logs to ``<work>/<name>/node<n>.log`` and runs in
+    ``<runs>/prior/<name>-node<n>`` (where ``resume=auto`` looks)."""
+    runs = runs or work / "runs"
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    port = 29400 + int.from_bytes(os.urandom(2), "little") % 1000
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")}
+    agents = []
+    for node in (0, 1):
+        argv = [torchrun, "--nnodes=2", f"--nproc-per-node={per_node}", f"--node-rank={node}",
+                f"--master-addr={two_hosts.ADDRESSES[0]}", f"--master-port={port}", "-m", "dalle_lightning.cli.train",
+                "stage=prior", f"paths.work_dir={work}", "strategy=sharded_powersgd", f"trainer.devices={per_node}",
+                "trainer.num_nodes=2", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "data.batch_size=4",
+                "callbacks.fid=null", "callbacks.sample_grid=null", "trainer.enable_progress_bar=false",
+                "trainer.enable_model_summary=false", "trainer.limit_val_batches=0", "data.shuffle_buffer=0",
+                f"paths.runs={runs}", f"hydra.run.dir={runs}/prior/{name.replace('/', '-')}-node{node}",
+                f"output={out}/prior.pt", *overrides]
+        log = open(out / f"node{node}.log", "w")
+        agents.append(subprocess.Popen(hosts.command(node, argv, env), stdout=log, stderr=subprocess.STDOUT,
+                                       env=clean, cwd=work, start_new_session=True))
+    return agents
+
+
+def wait(agents: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            codes.append(-999)
+    return codes
+
+
+def logs(work: Path, name: str) -> str:
+    return "\n".join((work / name / f"node{n}.log").read_text() for n in (0, 1))
+
+
+def tail(text: str) -> str:
+    return text[-4000:]
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_replicas_agree_across_two_namespaces(hosts: two_hosts.TwoHosts, work: Path, per_node: int) -> None:
+    name = f"agree{per_node}"
+    codes = wait(start(hosts, work, name, per_node, "trainer.max_steps=4", "callbacks.checkpoint=null",
+                       "strategy.powersgd_rank=2"), timeout=240)
+    assert codes == [0, 0], logs(work, name)
+    metrics = json.loads((work / "runs" / "prior" / f"{name}-node0" / "metrics.json").read_text())["metrics"]
+    assert metrics["replica_divergence"] == 0.0
+    assert metrics["powersgd/inter_node_bytes_per_rank"] > 0  # gradients crossed the veth
+
+
+def _checkpoints(work: Path) -> list[Path]:
+    return sorted(p for p in (work / "runs").rglob("*") if "checkpoints" in p.parts)
+
+
+def _no_process_left(hosts: two_hosts.TwoHosts) -> None:
+    for ns in hosts.names:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        assert not pids, f"processes left in {ns}: {pids}"
+
+
+@pytest.mark.parametrize("failure", ["link_down", "node_killed"])
+def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.TwoHosts, work: Path, failure: str,
+                                                              tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    common = ("trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "strategy.powersgd_rank=2",
+              "strategy.checkpoint_format=full", f"strategy.timeout={TIMEOUT_S}")
+    flag = tmp_path / "hold"
+    agents = start(hosts, work, f"{failure}/broken", 1, *common, "+callbacks.pause._target_=tests.pause_at.PauseAt",
+                   f"+callbacks.pause.flag={flag}", "+callbacks.pause.update=3", runs=runs)
+    deadline = time.monotonic() + 120
+    while not flag.with_suffix(".paused").exists():
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), tail(logs(work, f"{failure}/broken"))
+        time.sleep(0.2)
+    if failure == "link_down":
+        hosts.set_link(False)
+    else:
+        for pid in subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True, text=True).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)  # node 1 dies whole: its agent and its workers
+    flag.with_suffix(".go").touch()
+    started = time.monotonic()
+    codes = wait(agents, timeout=6 * TIMEOUT_S + 30)
+    ended = time.monotonic() - started
+    hosts.set_link(True)
+    text = logs(work, f"{failure}/broken")
+    assert codes[0] not in (0, -999), tail(text)  # node 0 failed by itself, not by our kill
+    assert failure == "node_killed" or codes[1] not in (0, -999), tail(text)
+    assert ended < 4 * TIMEOUT_S + 20, f"{ended:.0f} s to end\n{tail(text)}"
+    # one line naming the collective and the peer node (ShardedPowerSGDStrategy._exchange_failure)
+    assert "with node(s) [1] failed after" in text, tail(text)
+    _no_process_left(hosts)
+    written = _checkpoints(tmp_path)
+    assert not [p for p in written if ".tmp" in p.name or p.name.startswith(".")], written  # nothing half-written
+
+    resumed = start(hosts, work, f"{failure}/resumed", 1, *common, "resume=auto", runs=runs)
+    assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, f"{failure}/resumed"))
+    assert "resum" in (work / failure / "resumed" / "node0.log").read_text().lower()
+
+    reference = start(hosts, work, f"{failure}/reference", 1, *common, runs=tmp_path / "reference")
+    assert wait(reference, timeout=240) == [0, 0], tail(logs(work, f"{failure}/reference"))
+    got = torch.load(work / failure / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
+    want = torch.load(work / failure / "reference" / "prior.pt", map_location="cpu", weights_only=False)
+    got, want = got.get("state_dict", got), want.get("state_dict", want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key
