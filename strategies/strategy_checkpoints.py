@@ -1,0 +1,212 @@
+"""The checkpoints of :class:`~strategies.sharded_powersgd.ShardedPowerSGDStrategy`: one file as ``ddp`` writes it, or
+sharded DCP directories, with each rank's PowerSGD state and buffers, so a resumed run continues exactly.
+
+A mixin of the strategy (it uses the strategy's mesh, compressor and checkpoint IO): kept apart so that the
+strategy's module holds the Lightning glue of the step, and this one what goes to and comes from disk.
+
+* ``"full"``: the model and optimizers gathered whole on rank 0 (``strategies/full_checkpoint.py``), plus each
+  rank's PowerSGD state and buffers in lists by rank; ``load_from_checkpoint`` reads it.
+* ``"sharded"``: ``torch.distributed.checkpoint`` directories, every rank its own shards
+  (``strategies/dcp_checkpoint.py``).
+* Either form, or a ``ddp`` file, resumes a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from strategies.dcp_checkpoint import (
+    export_full_state_dict,
+    is_sharded_checkpoint,
+    load_sharded,
+    pack,
+    rank_key,
+    read_metadata,
+    save_sharded,
+    unpack,
+)
+from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
+
+POWERSGD_KEY = "powersgd"
+SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
+# Buffers stay whole on every rank and differ by the last step (each rank's forward updates rank 0's broadcast
+# running statistics with its own batch, as under ddp); DCP keeps one copy of a key that every rank saves, so each
+# rank's own go under a key of its own (a full checkpoint: a list by rank). Metadata: their names.
+RANK_BUFFERS_KEY = "rank_buffers"
+
+
+class ShardedCheckpointing:
+    """Save and load of the strategy's checkpoints (mixed into ``ShardedPowerSGDStrategy``)."""
+
+    checkpoint_format: str
+    powersgd: Any
+
+
+    @property
+    def _full_checkpoints(self) -> bool:
+        return self.checkpoint_format == "full"
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state dict: whole on rank 0 (``checkpoint_format="full"``) or sharded (DTensors)."""
+        assert self.lightning_module is not None
+        if self._full_checkpoints:
+            return export_full_state_dict(self.lightning_module)
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        if self._full_checkpoints:  # as ``optimizer.state_dict()`` under ddp, whole on rank 0
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return optimizer_state_by_index(get_optimizer_state_dict(self.lightning_module, optimizer, options=options))
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model state dict on CPU for single-device use (complete on rank 0 only)."""
+        assert self.lightning_module is not None
+        return export_full_state_dict(self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
+        assert self.powersgd is not None
+        path = self.broadcast(filepath)
+        if self._full_checkpoints:
+            self._save_full(checkpoint, path)
+            return
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{idx}"] = optim_state
+        # Parameter-shaped state of other parts (a sharded EMA): keyed by parameter name, holding DTensors.
+        extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
+        for key in extras:
+            state[key] = checkpoint.pop(key)
+        checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
+        state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
+        buffers = _own_buffers(self.lightning_module, state["state_dict"])
+        checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
+        if buffers:
+            state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = pack(buffers)
+        save_sharded(path, state, checkpoint)
+
+    def _save_full(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Collective: one file as ``ddp`` writes it (model and optimizers whole, from rank 0), plus each rank's
+        PowerSGD state and buffers in lists by global rank, so a resume on the same mesh continues exactly."""
+        assert self.powersgd is not None
+        extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
+        for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
+            checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
+        checkpoint[SHARDED_EXTRAS_KEY] = extras
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self.powersgd.state_dict()))
+        assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
+        buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
+        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(buffers))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.barrier("save_checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s)."""
+        assert self.lightning_module is not None and self.powersgd is not None
+        path = self.broadcast(checkpoint_path)
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path)
+        return self._load_full(path, weights_only)
+
+    def _load_full(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
+        module = self.lightning_module
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=False if weights_only is None else weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
+        set_model_state_dict(module, checkpoint["state_dict"], options=options)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        for opt, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
+            load_optimizer_state(opt, saved)
+        # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
+        powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
+        if optimizers and isinstance(powersgd, list) and len(powersgd) == self.world_size:
+            self.powersgd.load_state_dict(unpack(powersgd[self.global_rank]))
+        if isinstance(buffers, list) and len(buffers) == self.world_size:
+            with torch.no_grad():
+                for name, value in unpack(buffers[self.global_rank]).items():
+                    module.get_buffer(name).copy_(value)
+        params = dict(module.named_parameters())
+        for key in checkpoint.pop(SHARDED_EXTRAS_KEY, []):
+            checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
+        return checkpoint
+
+    def _load_sharded(self, path: _PATH) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.powersgd is not None
+        module = self.lightning_module
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        key = rank_key(POWERSGD_KEY, self.global_rank)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
+        for idx, opt in enumerate(optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
+        if optimizers:
+            state[key] = b""
+        saved = read_metadata(path)
+        extras = saved.get(SHARDED_EXTRAS_KEY, [])
+        buffers_key = rank_key(RANK_BUFFERS_KEY, self.global_rank)
+        if saved.get(RANK_BUFFERS_KEY):
+            state[buffers_key] = b""
+        params = dict(module.named_parameters())
+        for extra in extras:  # older checkpoints list the keys only, with an entry for every parameter
+            names = extras[extra] if isinstance(extras, dict) else list(params)
+            state[extra] = {n: torch.empty_like(params[n].detach()) for n in names}
+        metadata = load_sharded(path, state)
+        for extra in extras:
+            metadata[extra] = state[extra]
+        set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
+        if saved.get(RANK_BUFFERS_KEY):
+            with torch.no_grad():
+                for name, value in unpack(state[buffers_key]).items():
+                    module.get_buffer(name).copy_(value)
+        for idx, opt in enumerate(optimizers):
+            set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
+        if optimizers:
+            self.powersgd.load_state_dict(unpack(state[key]))
+        return metadata
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The sharded state was already loaded in load_checkpoint.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The sharded state was already loaded in load_checkpoint.
+        pass
+
+
+def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's whole (unsharded) buffers that belong in the state dict, on CPU."""
+    if module is None:
+        return {}
+    return {n: b.detach().cpu().clone() for n, b in module.named_buffers()
+            if n in state_dict and not isinstance(b, DTensor)}
+
+
+def _holds_dtensors(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, DTensor) for v in value.values())
