@@ -49,8 +49,6 @@ from strategies.comm_dtype import from_comm, to_comm
 from strategies.householder import orthogonalize_all
 from strategies.powersgd import FP32_BYTES, PowerSGD, finite_per_tensor
 
-import os
-_DEFER = os.environ.get("DALLE_EXCHANGE_DEFER") == "1"  # experiment: issue every bucket at the end
 ROOT_BUCKET = "<root>"  # parameters outside every resblock: sent after the flags (embedding rows need them)
 MASK_BYTES = 1  # one uint8 per embedding row in the flag all-reduce
 
@@ -104,11 +102,12 @@ class OverlappedExchange:
         flag_group: the group over which the skip decision and unused gradients are agreed (every rank).
         bucket_cap_mb: consecutive resblocks share a bucket while their parameters fit in this many MiB (0: one
             bucket per resblock). Each bucket costs two collectives, and each collective a wake-up of the
-            communication threads, which on busy cores costs more than the bytes on a fast link.
+            communication threads, which on busy cores costs more than the bytes on a fast link (the demo's prior
+            at 50 Mbit/s: 3.53-3.64 updates/s at 1 MiB, 3.05-3.43 at one bucket per resblock; docs/results.md).
     """
 
     def __init__(self, powersgd: PowerSGD, p_group: dist.ProcessGroup, q_group: dist.ProcessGroup,
-                 flag_group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 0.0) -> None:
+                 flag_group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 1.0) -> None:
         self.powersgd = powersgd
         self.bucket_cap_mb = bucket_cap_mb
         self.p_group, self.q_group, self.flag_group = p_group, q_group, flag_group
@@ -162,7 +161,7 @@ class OverlappedExchange:
 
     def _hook(self, index: int):
         def ready(_: torch.Tensor) -> None:
-            if self._active and not _DEFER:
+            if self._active:
                 bucket = self.buckets[index]
                 bucket.ready += 1
                 try:

@@ -201,6 +201,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             model is known. Not both; neither: rank ``DEFAULT_RANK``.
         overlap: start each bucket's inter-node exchange during the backward, as soon as its gradients are
             ready (:mod:`strategies.exchange`; one device per node); off: the whole exchange after the backward.
+        bucket_cap_mb: consecutive resblocks share one overlapped bucket while their parameters fit in this many
+            MiB (0: one bucket per resblock).
         start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
             :class:`~strategies.powersgd.PowerSGD`.
         uncompressed_patterns: fnmatch patterns of parameter names all-reduced uncompressed (in addition to
@@ -231,7 +233,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         powersgd_rank: int | None = None,
         compression: float | None = None,
         overlap: bool = True,
-        bucket_cap_mb: float = 0.0,
+        bucket_cap_mb: float = 1.0,
         start_step: int = 0,
         warm_start: bool = False,
         error_feedback: bool = True,
