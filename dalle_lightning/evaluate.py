@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from callbacks.fid import build_fid
+from dalle_lightning.callbacks.fid import build_fid
 from dalle_lightning.generate import Generation, Generator
 from dalle_lightning.selection import RERANKERS, check_rerank
 from dalle_lightning.waterfall import codebook_usage, object_groups, reconstruct, waterfall_rows

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dalle_lightning.lit.prior import PriorModule, drop_captions
 from dalle_lightning.models.prior import DallePrior
-from strategies.protocol import find_resblocks
+from dalle_lightning_plugins.protocol import find_resblocks
 
 TINY = dict(text_vocab_size=40, text_len=7, image_vocab_size=24, image_grid=5, n_layer=4, n_head=2, d_head=8)
 

@@ -10,7 +10,7 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.atomic_files import write_json
+from dalle_lightning_plugins.atomic_files import write_json
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 
