@@ -110,3 +110,16 @@ def test_the_callbacks_import_nothing_else_of_dalle_lightning() -> None:
         for module, _ in _imports(path):
             if module.split(".")[0] in {"dalle_lightning", "strategies", "callbacks"}:
                 assert module.startswith(("dalle_lightning.callbacks", "dalle_lightning_plugins")), (path, module)
+
+
+def test_pip_check_is_clean_in_this_environment() -> None:
+    """Both distributions installed from the checkout (``make install``), with every requirement satisfied;
+    tests/test_plugins_fresh_env.py runs ``pip check`` in an environment with the plugins alone."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    names = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                           timeout=300).stdout
+    installed = {line.split("==")[0].replace("_", "-").lower() for line in names.splitlines()}
+    assert {"dalle-lightning", "dalle-lightning-plugins"} <= installed
