@@ -56,7 +56,7 @@ def test_one_version_for_both_distributions() -> None:
     version = (PLUGINS / "VERSION").read_text().strip()
     assert _pyproject(PLUGINS)["tool"]["setuptools"]["dynamic"]["version"] == {"file": "VERSION"}
     assert _pyproject(ROOT)["tool"]["setuptools"]["dynamic"]["version"] == {"file": "strategies/VERSION"}
-    assert "version" in _pyproject(ROOT)["project"]["dynamic"] and "version" in _pyproject(PLUGINS)["project"]["dynamic"]
+    assert all("version" in _pyproject(folder)["project"]["dynamic"] for folder in (ROOT, PLUGINS))
     assert str(_requirements(ROOT)["dalle-lightning-plugins"].specifier) == f"=={version}"
 
 

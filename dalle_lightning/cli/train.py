@@ -119,7 +119,8 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         rate = getattr(callback, "updates_per_s", None)
         if isinstance(rate, float):
             metrics["time/updates_per_s"] = rate
-        totals = getattr(callback, "totals", None)  # dalle_lightning.callbacks.skipped_samples: skipped and converted samples
+        # dalle_lightning.callbacks.skipped_samples: skipped and converted samples
+        totals = getattr(callback, "totals", None)
         if isinstance(totals, dict):
             metrics.update(totals)
     divergence = getattr(trainer.strategy, "replica_divergence", None)

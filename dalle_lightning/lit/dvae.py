@@ -71,7 +71,8 @@ class DVAEModule(FusedOptimizerClipping):
         relaxed = getattr(model, "relaxed", True)
         self.temperature: float | None = float(temperature) if relaxed else None
         self.kl_weight: float | None = float(kl_weight) if relaxed else None
-        # 1: decode argmax codes with a straight-through gradient (set by dalle_lightning.callbacks.schedules.HardCodesHandover)
+        # 1: decode argmax codes with a straight-through gradient
+        #    (set by dalle_lightning.callbacks.schedules.HardCodesHandover)
         self.hard_codes: float | None = 0.0 if relaxed else None
         self.val_mse = MeanSquaredError()
         self.val_psnr = PeakSignalNoiseRatio(data_range=1.0)

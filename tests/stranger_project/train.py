@@ -48,7 +48,8 @@ WORLD = 2
 class Residual(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.branch = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.branch = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                    nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.branch(x)
