@@ -24,7 +24,7 @@ An FID is only comparable with FIDs in the same feature space, so the metric is 
   :mod:`dalle_lightning.callbacks.inception`); any ``feature_extractor`` is then ignored;
 - ``feature_extractor``: a module or callable ``images [B, 3, H, W] in [0, 1] -> features [B, D]``, named by
   ``features`` (``"custom"`` when unnamed); an open_clip model (anything with ``encode_image``) is wrapped by
-  :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.rerank.Reranker``) is used
+  :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.generation.rerank.Reranker``) is used
   through that method. The project's default is the image tower of its shapes CLIP (``features="shapes_clip"``),
   so the embedded configuration runs offline, and Inception, which has never seen the shapes world, is a choice.
 """

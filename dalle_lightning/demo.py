@@ -94,7 +94,7 @@ def waterfall_lines(work: Path) -> dict[str, str]:
     path = work / "eval.json"
     if not path.is_file():
         return {}
-    from dalle_lightning.waterfall import waterfall_line
+    from dalle_lightning.evaluation.waterfall import waterfall_line
 
     report = json.loads(path.read_text())
     return {split: waterfall_line(report[split]["waterfall"]) for split in ("seen", "zeroshot")

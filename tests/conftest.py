@@ -65,7 +65,7 @@ def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from dalle_lightning.artifacts import save_model
     from dalle_lightning.lineage import dvae_record, tokenizer_record
-    from dalle_lightning.tokenizer import CaptionTokenizer
+    from dalle_lightning.data.tokenizer import CaptionTokenizer
     from dalle_lightning.world.scene import sample_captions
 
     work = tmp_path_factory.mktemp("artifacts")

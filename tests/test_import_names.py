@@ -69,7 +69,7 @@ def test_the_commands_import_no_old_name_from_the_repository_root() -> None:
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     modules = sorted({entry.split(":")[0] for entry in scripts.values()}) + [
-        "dalle_lightning.demo", "dalle_lightning.plot_quality_vs_time", "dalle_lightning.artifacts"]
+        "dalle_lightning.demo", "dalle_lightning.evaluation.plot_quality_vs_time", "dalle_lightning.artifacts"]
     targets = sorted(t for t in _targets() if t.startswith(PROJECT_PREFIXES))
     proc = subprocess.run([sys.executable, "-c", CHECK, json.dumps(targets), *modules], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -44,7 +44,7 @@ def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
     from dalle_lightning.data.epoch_loader import no_data_message
     from dalle_lightning.data.shards import resolve_shards
     from dalle_lightning.data.skips import SkipCounter, read_shards
-    from dalle_lightning.tokenizer import CaptionTokenizer
+    from dalle_lightning.data.tokenizer import CaptionTokenizer
 
     urls = resolve_shards(cfg.data.train_shards)
     limit = cfg.stage.max_captions

@@ -23,7 +23,7 @@ from typing_extensions import override
 from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.models.prior import DallePrior
-from dalle_lightning.sampling import sample_image_tokens
+from dalle_lightning.generation.sampling import sample_image_tokens
 
 
 def drop_captions(text: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
