@@ -7,17 +7,19 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 OUT ?= outputs/demo
 
-.PHONY: demo test test-fast install install-test bench clean
+.PHONY: demo test test-fast install install-test bench dist clean
 
-$(VENV)/.installed: pyproject.toml
+# Two distributions, both installed from the checkout: the plugins alone (strategies/pyproject.toml, import name
+# dalle_lightning_plugins) and dalle-lightning (pyproject.toml), which depends on the first at the same version.
+$(VENV)/.installed: pyproject.toml strategies/pyproject.toml strategies/VERSION
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ./strategies -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e ./strategies -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -36,5 +38,17 @@ test-fast: $(VENV)/.installed-test
 bench: $(VENV)/.installed
 	for f in benchmarks/[!_]*.py; do $(PY) $$f; done
 
+# An sdist of each distribution from a clean tree (the files git tracks or would track, none it ignores: no
+# __pycache__, build/ or egg-info), then each wheel from its sdist (what `python -m build` does by default),
+# all into dist/; twine checks the metadata of all four.
+dist: $(VENV)/.installed-test
+	rm -rf dist
+	tree=$$(mktemp -d) && trap 'rm -rf "$$tree"' EXIT && \
+	git ls-files -z --cached --others --exclude-standard \
+	    | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$$tree" && \
+	$(PY) -m build --outdir dist "$$tree/strategies" && \
+	$(PY) -m build --outdir dist "$$tree"
+	$(PY) -m twine check --strict dist/*
+
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache dist

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dalle_lightning.models.sparse_attention import AttentionLayout, dense_attention, sparse_attention
-from strategies.dtypes import resolve_dtype
+from dalle_lightning_plugins.dtypes import resolve_dtype
 
 DTYPES = ("fp32", "bf16")  # the input dtypes worth timing on CPU
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from dalle_lightning.evaluate import eval_scenes
-from dalle_lightning.generate import Generator
+from dalle_lightning.evaluation.evaluate import eval_scenes
+from dalle_lightning.generation.generate import Generator
 from dalle_lightning.world.detect import MatchResult, match, summarize_matches
 from dalle_lightning.world.parse import CaptionSpec, parse_caption
 from dalle_lightning.world.scene import Scene

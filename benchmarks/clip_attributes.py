@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from dalle_lightning.artifacts import load_model
-from dalle_lightning.evaluate import eval_scenes, images_of
-from dalle_lightning.rerank import Reranker
+from dalle_lightning.evaluation.evaluate import eval_scenes, images_of
+from dalle_lightning.generation.rerank import Reranker
 from dalle_lightning.world.scene import COLOURS, SHAPES, Scene
 
 EDITS = {"shape": SHAPES, "colour": tuple(COLOURS)}

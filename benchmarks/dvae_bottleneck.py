@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dalle_lightning.evaluate import eval_scenes, images_of
+from dalle_lightning.evaluation.evaluate import eval_scenes, images_of
 from dalle_lightning.models.dvae import DiscreteVAE, conv
 from dalle_lightning.world import caption_accuracy
 from dalle_lightning.world.render import render

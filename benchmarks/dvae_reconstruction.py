@@ -16,7 +16,7 @@ import json
 import torch
 
 from dalle_lightning.artifacts import load_model
-from dalle_lightning.evaluate import eval_scenes, images_of
+from dalle_lightning.evaluation.evaluate import eval_scenes, images_of
 from dalle_lightning.world import caption_accuracy
 
 SPLITS = ("val", "zeroshot")

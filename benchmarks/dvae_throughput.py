@@ -23,7 +23,7 @@ from _peak import executed_flops, timed_against_peak
 from dalle_lightning.models.dvae import DiscreteVAE
 from dalle_lightning.models.dvae_fsq import FSQVAE
 from dalle_lightning.models.dvae_vq import VQVAE
-from strategies.dtypes import resolve_dtype
+from dalle_lightning_plugins.dtypes import resolve_dtype
 
 SHAPES = dict(image_size=64, group_count=4, n_hid=32, n_blk_per_group=1, codebook_dim=64)
 MODELS = {"gumbel": lambda **kw: DiscreteVAE(vocab_size=512, **SHAPES, **kw),

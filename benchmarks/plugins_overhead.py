@@ -31,7 +31,7 @@ from prior_throughput import SHAPES
 from torch.profiler import profile
 
 from dalle_lightning.models.prior import DallePrior
-from strategies import ResblockScalingPrecision
+from dalle_lightning_plugins import ResblockScalingPrecision
 
 SHAPES = {**SHAPES, "tiny": (dict(text_vocab_size=64, text_len=8, image_vocab_size=64, image_grid=4, n_layer=2,
                                   n_head=2, d_head=16), 8)}

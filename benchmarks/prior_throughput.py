@@ -28,7 +28,7 @@ import torch
 from _peak import executed_flops, timed_against_peak
 
 from dalle_lightning.models.prior import DallePrior
-from strategies.dtypes import resolve_dtype
+from dalle_lightning_plugins.dtypes import resolve_dtype
 
 SHAPES = {
     "demo": (dict(text_vocab_size=128, text_len=20, image_vocab_size=512, image_grid=8, n_layer=6, n_head=4,

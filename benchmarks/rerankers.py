@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dalle_lightning.evaluate import eval_scenes
-from dalle_lightning.generate import Generator
-from dalle_lightning.prior_score import image_log_likelihood
-from dalle_lightning.selection import RERANKERS
-from dalle_lightning.waterfall import object_groups
+from dalle_lightning.evaluation.evaluate import eval_scenes
+from dalle_lightning.generation.generate import Generator
+from dalle_lightning.generation.prior_score import image_log_likelihood
+from dalle_lightning.generation.selection import RERANKERS
+from dalle_lightning.evaluation.waterfall import object_groups
 from dalle_lightning.world.detect import match
 
 

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dalle_lightning.models.prior import DallePrior
-from dalle_lightning.sampling import sample_image_tokens
+from dalle_lightning.generation.sampling import sample_image_tokens
 
 PRIOR = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
 # Vocabularies and grid come from the trained tokenizer and dVAE in the config; fixed here to the demo's values.

@@ -1,11 +1,11 @@
 """Contrastive (CLIP) score of generated images: how well each image matches the caption it was made from.
 
 The score is the **mean cosine similarity** in [-1, 1] between the image and caption embeddings of the
-contrastive model in use (the one that reranks samples), the same number :mod:`dalle_lightning.rerank`
+contrastive model in use (the one that reranks samples), the same number :mod:`dalle_lightning.generation.rerank`
 ranks candidates by. torchmetrics' ``CLIPScore`` reports ``100 * max(cos, 0)`` of a Hugging Face CLIP; this
 metric keeps the raw cosine so it can be compared with reranking scores, and works with any open_clip model.
 
-A scorer is anything with ``score(images, captions) -> FloatTensor[B]`` (e.g. ``dalle_lightning.rerank.Reranker``)
+A scorer is anything with ``score(images, captions) -> FloatTensor[B]`` (e.g. ``dalle_lightning.generation.rerank.Reranker``)
 or a plain callable with that signature. Sums travel as metric states, so the mean is exact on several ranks.
 """
 
@@ -29,7 +29,7 @@ def as_scorer(scorer: Any) -> Scorer:
         return scorer
     raise TypeError(
         f"contrastive scorer of type {type(scorer).__name__}; expected an object with score(images, captions) "
-        "(e.g. dalle_lightning.rerank.Reranker) or a callable (images, captions) -> FloatTensor[B]"
+        "(e.g. dalle_lightning.generation.rerank.Reranker) or a callable (images, captions) -> FloatTensor[B]"
     )
 
 

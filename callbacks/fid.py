@@ -21,10 +21,10 @@ An FID is only comparable with FIDs in the same feature space, so the metric is 
 
 - ``features="inception"``: the standard Inception-v3 of published FIDs (torchmetrics' ``NoTrainInceptionV3``,
   needs ``torch-fidelity``), read from ``inception_weights`` or from torch's hub cache (see
-  :mod:`callbacks.inception`); any ``feature_extractor`` is then ignored;
+  :mod:`dalle_lightning.callbacks.inception`); any ``feature_extractor`` is then ignored;
 - ``feature_extractor``: a module or callable ``images [B, 3, H, W] in [0, 1] -> features [B, D]``, named by
   ``features`` (``"custom"`` when unnamed); an open_clip model (anything with ``encode_image``) is wrapped by
-  :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.rerank.Reranker``) is used
+  :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.generation.rerank.Reranker``) is used
   through that method. The project's default is the image tower of its shapes CLIP (``features="shapes_clip"``),
   so the embedded configuration runs offline, and Inception, which has never seen the shapes world, is a choice.
 """
@@ -41,10 +41,10 @@ from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
-from callbacks.batches import take
-from callbacks.contrastive import ContrastiveScore
-from callbacks.inception import INCEPTION, inception_weights as find_inception_weights
-from callbacks.sharding import full_parameters
+from dalle_lightning.callbacks.batches import take
+from dalle_lightning.callbacks.contrastive import ContrastiveScore
+from dalle_lightning.callbacks.inception import INCEPTION, inception_weights as find_inception_weights
+from dalle_lightning.callbacks.sharding import full_parameters
 
 INCEPTION_DIM = 2048
 

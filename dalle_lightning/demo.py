@@ -19,9 +19,10 @@ from pathlib import Path
 
 from dalle_lightning.cli.common import CONF_DIR
 from dalle_lightning.hardware import auto_precision, native_bf16
-from strategies.atomic_files import write_json
+from dalle_lightning_plugins.atomic_files import write_json
 
-TIMER = "+callbacks.step_timer._target_=callbacks.step_timer.StepTimer"  # training updates per second, in metrics.json
+# training updates per second, in metrics.json
+TIMER = "+callbacks.step_timer._target_=dalle_lightning.callbacks.step_timer.StepTimer"
 STEPS: dict[str, list[str]] = {
     "data": ["dalle_lightning.cli.data"],
     "tokenizer": ["dalle_lightning.cli.train", "stage=tokenizer"],
@@ -93,7 +94,7 @@ def waterfall_lines(work: Path) -> dict[str, str]:
     path = work / "eval.json"
     if not path.is_file():
         return {}
-    from dalle_lightning.waterfall import waterfall_line
+    from dalle_lightning.evaluation.waterfall import waterfall_line
 
     report = json.loads(path.read_text())
     return {split: waterfall_line(report[split]["waterfall"]) for split in ("seen", "zeroshot")

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from dalle_lightning.artifacts import read_record
 from dalle_lightning.data.shards import is_remote, resolve_shards
 from dalle_lightning.outputs import read_marker
-from dalle_lightning.tokenizer import CaptionTokenizer
+from dalle_lightning.data.tokenizer import CaptionTokenizer
 
 
 def file_digest(path: str | os.PathLike) -> str:

@@ -1,15 +1,23 @@
 """Reusable Lightning plugins: intra-node sharding with PowerSGD between nodes, and per-resblock 16-bit scaling.
 
-Never imports ``dalle_lightning``: models talk to these plugins through the ``resblocks()`` protocol
-(see ``strategies/protocol.py``) or through module classes / name patterns given in config.
+The distribution ``dalle-lightning-plugins`` (built from this folder by its own ``pyproject.toml``); it needs
+``torch`` and ``lightning`` only. Never imports ``dalle_lightning``: models talk to these plugins through the
+``resblocks()`` protocol (see ``protocol.py``) or through module classes / name patterns given in config.
 """
 
-from strategies.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
-from strategies.mesh import build_mesh, mesh_shape
-from strategies.prefetch import apply_prefetch, prefetch_plan
-from strategies.protocol import UnscalingPrecision, find_resblocks
-from strategies.resblock_precision import ResblockScalingPrecision
-from strategies.sharded_powersgd import ShardedPowerSGDStrategy
+from importlib import metadata as _metadata
+
+from dalle_lightning_plugins.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
+from dalle_lightning_plugins.mesh import build_mesh, mesh_shape
+from dalle_lightning_plugins.prefetch import apply_prefetch, prefetch_plan
+from dalle_lightning_plugins.protocol import UnscalingPrecision, find_resblocks
+from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+
+try:
+    __version__ = _metadata.version("dalle-lightning-plugins")  # the folder's VERSION file, at install time
+except _metadata.PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ResblockScalingPrecision",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from strategies.dtypes import resolve_dtype
+from dalle_lightning_plugins.dtypes import resolve_dtype
 
 COMM_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.comm_dtype import from_comm, to_comm
-from strategies.householder import orthogonalize_all
-from strategies.powersgd import FP32_BYTES, PowerSGD, finite_per_tensor
+from dalle_lightning_plugins.comm_dtype import from_comm, to_comm
+from dalle_lightning_plugins.householder import orthogonalize_all
+from dalle_lightning_plugins.powersgd import FP32_BYTES, PowerSGD, finite_per_tensor
 
 ROOT_BUCKET = "<root>"  # parameters outside every resblock: sent after the flags (embedding rows need them)
 MASK_BYTES = 1  # one uint8 per embedding row in the flag all-reduce

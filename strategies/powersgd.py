@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies.comm_dtype import from_comm, resolve_comm_dtype, to_comm
-from strategies.householder import orthogonalize_all
+from dalle_lightning_plugins.comm_dtype import from_comm, resolve_comm_dtype, to_comm
+from dalle_lightning_plugins.householder import orthogonalize_all
 
 FP32_BYTES = 4
 DEFAULT_RANK = 4  # the strategy's rank when neither a rank nor a compression is given

@@ -33,11 +33,11 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from strategies.dtypes import resolve_dtype
-from strategies.grad_filter import BranchBoundaries, unscale_and_flag
-from strategies.mesh import local_shard
-from strategies.protocol import find_resblocks, resolve_block_class
-from strategies.scale_rules import BlockScales, ScaleRules
+from dalle_lightning_plugins.dtypes import resolve_dtype
+from dalle_lightning_plugins.grad_filter import BranchBoundaries, unscale_and_flag
+from dalle_lightning_plugins.mesh import local_shard
+from dalle_lightning_plugins.protocol import find_resblocks, resolve_block_class
+from dalle_lightning_plugins.scale_rules import BlockScales, ScaleRules
 
 # The branch compute dtypes, and the Lightning precision name each corresponds to.
 _LIGHTNING_NAMES: dict[torch.dtype, str] = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}

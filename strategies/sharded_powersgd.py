@@ -2,25 +2,25 @@
 
 This is the paper's recipe for training a model that does not fit one GPU on machines joined by slow links:
 
-* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`strategies.mesh`);
+* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`dalle_lightning_plugins.mesh`);
 * every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
   remaining parameters form the root unit; the next blocks are prefetched explicitly
-  (:mod:`strategies.prefetch`);
+  (:mod:`dalle_lightning_plugins.prefetch`);
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
-  gradient with its replicas on the other nodes through :class:`strategies.powersgd.PowerSGD` (not FSDP's HSDP
+  gradient with its replicas on the other nodes through :class:`dalle_lightning_plugins.powersgd.PowerSGD` (not FSDP's HSDP
   all-reduce, which cannot be compressed). If PowerSGD reports a non-finite gradient anywhere, every rank skips
   the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
-  ``mark_nonfinite()`` (:class:`strategies.resblock_precision.ResblockScalingPrecision`) unscales the gradients
+  ``mark_nonfinite()`` (:class:`dalle_lightning_plugins.resblock_precision.ResblockScalingPrecision`) unscales the gradients
   before PowerSGD and owns the skip decision;
 * checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
-  sharded DCP directories (``"sharded"``, :mod:`strategies.dcp_checkpoint`), holding the model, the optimizer and
+  sharded DCP directories (``"sharded"``, :mod:`dalle_lightning_plugins.dcp_checkpoint`), holding the model, the optimizer and
   each rank's PowerSGD state and buffers, so a resumed run continues exactly; either form, or a ``ddp`` file,
   resumes a run;
 * a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
   ``docs/plugins.md``), or the strategy says in one line what it cannot do.
 
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
-(after ``import strategies``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
+(after ``import dalle_lightning_plugins``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
 on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
 """
 
@@ -51,14 +51,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from strategies.checkpoint_io import AtomicCheckpointIO
-from strategies.dtypes import resolve_dtype
-from strategies.exchange import ExchangeError, OverlappedExchange
-from strategies.mesh import build_mesh, local_shard
-from strategies.powersgd import DEFAULT_RANK, PowerSGD, finite_per_tensor, rank_for_compression
-from strategies.prefetch import apply_prefetch
-from strategies.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
-from strategies.strategy_checkpoints import ShardedCheckpointing
+from dalle_lightning_plugins.checkpoint_io import AtomicCheckpointIO
+from dalle_lightning_plugins.dtypes import resolve_dtype
+from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
+from dalle_lightning_plugins.mesh import build_mesh, local_shard
+from dalle_lightning_plugins.powersgd import DEFAULT_RANK, PowerSGD, finite_per_tensor, rank_for_compression
+from dalle_lightning_plugins.prefetch import apply_prefetch
+from dalle_lightning_plugins.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
+from dalle_lightning_plugins.strategy_checkpoints import ShardedCheckpointing
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -200,11 +200,11 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             matrices' fp32 bytes to save (the paper's figure, e.g. 0.86), from which the rank is derived once the
             model is known. Not both; neither: rank ``DEFAULT_RANK``.
         overlap: start each bucket's inter-node exchange during the backward, as soon as its gradients are
-            ready (:mod:`strategies.exchange`; one device per node); off: the whole exchange after the backward.
+            ready (:mod:`dalle_lightning_plugins.exchange`; one device per node); off: the whole exchange after the backward.
         bucket_cap_mb: consecutive resblocks share one overlapped bucket while their parameters fit in this many
             MiB (0: one bucket per resblock).
         start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
-            :class:`~strategies.powersgd.PowerSGD`.
+            :class:`~dalle_lightning_plugins.powersgd.PowerSGD`.
         uncompressed_patterns: fnmatch patterns of parameter names all-reduced uncompressed (in addition to
             embeddings and 1-D parameters), e.g. the unembedding.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.

@@ -1,4 +1,4 @@
-"""The checkpoints of :class:`~strategies.sharded_powersgd.ShardedPowerSGDStrategy`: one file as ``ddp`` writes it, or
+"""The checkpoints of :class:`~dalle_lightning_plugins.sharded_powersgd.ShardedPowerSGDStrategy`: one file as ``ddp`` writes it, or
 sharded DCP directories, with each rank's PowerSGD state and buffers, so a resumed run continues exactly.
 
 A mixin of the strategy (it uses the strategy's mesh, compressor and checkpoint IO): kept apart so that the
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from strategies.dcp_checkpoint import (
+from dalle_lightning_plugins.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
     load_sharded,
@@ -41,7 +41,7 @@ from strategies.dcp_checkpoint import (
     save_sharded,
     unpack,
 )
-from strategies.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
+from dalle_lightning_plugins.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 
 POWERSGD_KEY = "powersgd"
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor

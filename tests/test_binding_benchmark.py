@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-from dalle_lightning.evaluate import eval_scenes
+from dalle_lightning.evaluation.evaluate import eval_scenes
 from dalle_lightning.world import render
 from dalle_lightning.world.detect import match
 from dalle_lightning.world.parse import parse_caption

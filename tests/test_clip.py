@@ -18,9 +18,9 @@ import torch
 
 from dalle_lightning.lit.clip import ClipModule
 from dalle_lightning.models import clip as clip_models
-from dalle_lightning.rerank import Reranker
+from dalle_lightning.generation.rerank import Reranker
 from dalle_lightning.world.render import render
-from strategies.protocol import find_resblocks
+from dalle_lightning_plugins.protocol import find_resblocks
 from dalle_lightning.world.scene import COLOURS, SHAPES, ObjectSpec, Scene, sample_scenes
 
 TRAIN_STEPS = 150

@@ -145,8 +145,8 @@ def build_train(cfg: DictConfig) -> tuple[list[Any], int]:
 def build_app(app: str, cfg: DictConfig) -> list[Any]:
     """What each of the other apps loads or makes from its config."""
     from dalle_lightning.artifacts import load_artifact
-    from dalle_lightning.generate import Generator
-    from dalle_lightning.tokenizer import CaptionTokenizer
+    from dalle_lightning.generation.generate import Generator
+    from dalle_lightning.data.tokenizer import CaptionTokenizer
     from dalle_lightning.world.render import render
     from dalle_lightning.world.scene import sample_scenes
 

@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from dalle_lightning.artifacts import save_model
-from dalle_lightning.evaluate import eval_scenes, evaluate, evaluate_split, images_of
-from dalle_lightning.generate import Generator
+from dalle_lightning.evaluation.evaluate import eval_scenes, evaluate, evaluate_split, images_of
+from dalle_lightning.generation.generate import Generator
 from dalle_lightning.models.clip import SHAPES_CLIP
-from dalle_lightning.plot import COLOURS, Panel, line_chart, plot_report
+from dalle_lightning.evaluation.plot import COLOURS, Panel, line_chart, plot_report
 from dalle_lightning.world import sample_captions, sample_scenes
 from tests.conftest import run_app
 from tests.test_fid import frechet
@@ -35,7 +35,7 @@ def tiny_pipeline(work: Path) -> Path:
     """Artifacts of a tiny untrained pipeline in ``work``, saved as dalle-train saves them."""
     from hydra.utils import instantiate
 
-    from dalle_lightning.tokenizer import CaptionTokenizer
+    from dalle_lightning.data.tokenizer import CaptionTokenizer
 
     tok = CaptionTokenizer.train(sample_captions(0, "train", 200), vocab_size=300, text_len=PRIOR["text_len"])
     tok.save(work / "tokenizer.json")
@@ -134,7 +134,7 @@ def test_plot_report_skips_missing_metrics_and_rejects_empty_reports(tmp_path: P
 
 
 def test_any_of_n_is_the_perfect_reranker_accuracy(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dalle_lightning.generate import Generation
+    from dalle_lightning.generation.generate import Generation
 
     scenes = eval_scenes(4, "val", 4)
     captions = [s.caption for s in scenes]
@@ -170,7 +170,7 @@ class MirrorDvae(torch.nn.Module):
 def test_waterfall_rows_are_what_they_claim(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     from collections import Counter
 
-    from dalle_lightning.generate import Generation
+    from dalle_lightning.generation.generate import Generation
     from dalle_lightning.world.detect import match
 
     scenes = eval_scenes(4, "val", 12)
@@ -207,8 +207,8 @@ def test_waterfall_rows_are_what_they_claim(gen: Generator, monkeypatch: pytest.
 
 
 def test_waterfall_plot_draws_each_bar_to_its_height(tmp_path: Path) -> None:
-    from dalle_lightning.plot_waterfall import bar_box, plot_waterfall
-    from dalle_lightning.waterfall import GROUPS, ROWS
+    from dalle_lightning.evaluation.plot_waterfall import bar_box, plot_waterfall
+    from dalle_lightning.evaluation.waterfall import GROUPS, ROWS
 
     values = {g: {r: (i + 1) / 8 + k / 40 for i, r in enumerate(ROWS)} for k, g in enumerate(GROUPS)}
     report = {"seen": {"waterfall": {"n": 16, **values, "codes": {}}}}

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.powersgd import rank_for_compression, saved_share
-from strategies.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.powersgd import rank_for_compression, saved_share
+from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
 
@@ -29,11 +29,12 @@ LR, STEPS = 0.5, 3
 
 
 def _fit(rank: int, overlap: bool, powersgd_rank: int, module: L.LightningModule | None = None,
-         callbacks: list | None = None, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], ShardedPowerSGDStrategy]:
+         callbacks: list | None = None, steps: int = STEPS, bucket_cap_mb: float = 1.0,
+         ) -> tuple[dict[str, torch.Tensor], ShardedPowerSGDStrategy]:
     torch.manual_seed(0)
     module = module or TinyModule(TinyResNet(), functools.partial(torch.optim.SGD, lr=LR))
     strategy = ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=powersgd_rank, min_compression=0.0,
-                                       overlap=overlap)
+                                       overlap=overlap, bucket_cap_mb=bucket_cap_mb)
     trainer(strategy, devices=2, max_steps=steps, callbacks=callbacks or []).fit(
         module, loader(token_dataset(), rank, world_size=2))
     return {n: p.detach().clone() for n, p in module.named_parameters()}, strategy
@@ -106,7 +107,7 @@ def _issued_during_backward(rank: int, world_size: int) -> dict:
             strategy._exchange.finish = marked
             strategy_box.append(strategy)
 
-    _fit(rank, True, 1, callbacks=[Marks(), Finish()], steps=1)
+    _fit(rank, True, 1, callbacks=[Marks(), Finish()], steps=1, bucket_cap_mb=0.0)  # one bucket per block
     return {"events": events}
 
 

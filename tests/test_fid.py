@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from callbacks.contrastive import ContrastiveScore
-from callbacks.fid import ClipImageFeatures, FIDCallback, build_fid
+from dalle_lightning.callbacks.contrastive import ContrastiveScore
+from dalle_lightning.callbacks.fid import ClipImageFeatures, FIDCallback, build_fid
 from tests.helpers.distributed import run_distributed
 
 N_VAL, BATCH, SIZE = 24, 6, 16
@@ -185,7 +185,7 @@ def test_two_ranks_compute_the_fid_of_all_images() -> None:
 
 def test_clip_image_features_are_the_reranker_embeddings() -> None:
     from dalle_lightning.models import clip as clip_models
-    from dalle_lightning.rerank import Reranker
+    from dalle_lightning.generation.rerank import Reranker
 
     torch.manual_seed(0)
     model = clip_models.create()
@@ -224,17 +224,17 @@ def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
 
     from dalle_lightning.artifacts import load_model, save_model
     from dalle_lightning.models import clip as clip_models
-    from dalle_lightning.rerank import Reranker
+    from dalle_lightning.generation.rerank import Reranker
 
     clip_cfg = {"_target_": "dalle_lightning.models.clip.create", "name": clip_models.SHAPES_CLIP}
     save_model(tmp_path / "clip.pt", clip_cfg, instantiate(clip_cfg))
     cfg = OmegaConf.create(f"""
-    _target_: callbacks.fid.FIDCallback
+    _target_: dalle_lightning.callbacks.fid.FIDCallback
     every_n_epochs: 1
     num_images: 8
     features: shapes_clip
     feature_extractor:
-      _target_: dalle_lightning.rerank.Reranker.from_model
+      _target_: dalle_lightning.generation.rerank.Reranker.from_model
       model: {{_target_: dalle_lightning.artifacts.load_model, path: {tmp_path / 'clip.pt'}}}
     clip_scorer: ${{.feature_extractor}}
     """)

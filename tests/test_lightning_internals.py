@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("dalle_lightning", "strategies", "callbacks", "benchmarks")
 # the project's own packages, and the benchmark scripts' sibling modules (``from _peak import ...``)
-OWN_PACKAGES = {"dalle_lightning", "strategies", "callbacks", "tests", "benchmarks"} | {
+OWN_PACKAGES = {"dalle_lightning", "dalle_lightning_plugins", "tests", "benchmarks"} | {
     p.stem for p in (ROOT / "benchmarks").glob("*.py")
 }
 
@@ -141,11 +141,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "LightningOptimizer": ("_optimizer",),
     # ResblockScalingPrecision.optimizer_step and the strategy's GradScaler step run Lightning's hooks and clipping.
     "Precision": ("_after_closure",),
-    # callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters.
+    # dalle_lightning.callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters.
     "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch"),
     # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
     "GradScaler": ("_per_optimizer_states",),
-    # strategies.mesh: the gloo groups' collective timeout.
+    # dalle_lightning_plugins.mesh: the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
     # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients; the gather hook reads which
@@ -172,7 +172,7 @@ def test_the_source_scan_finds_private_names(tmp_path: Path) -> None:
     source.write_text(
         "import torch\nimport torch.distributed as dist\nimport webdataset as wds\n"
         "from lightning.fabric.utilities.init import _private, public\nfrom hydra._internal.utils import parser\n"
-        "from strategies.mesh import _own\n"
+        "from dalle_lightning_plugins.mesh import _own\n"
         "torch._foreach_norm(x)\ndist.ProcessGroupGloo._Options()._timeout = 1\nwds.filters._shuffle(s)\n"
         "self._mine = torch.zeros(1)\n"
     )

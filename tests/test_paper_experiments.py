@@ -72,7 +72,7 @@ def test_paper_prior_experiment(tmp_path: Path) -> None:
     assert {type(c).__name__ for c in callbacks} == {"LearningRateMonitor", "NonFiniteGuard", "SkippedSampleMetrics", "EMA"}
 
     # The paper's compression at d_model 3968: 1 - 5 r / (8 d) = 86% for r = 896 in all.
-    from strategies.compression_report import compression_report
+    from dalle_lightning_plugins.compression_report import compression_report
 
     report = compression_report(model, nodes=128, devices_per_node=8, rank=0, powersgd_rank=112)
     assert report["compression"] == pytest.approx(1 - 5 * 896 / (8 * 3968), abs=0.02)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from dalle_lightning.plot import PANEL_H, PANEL_W
-from dalle_lightning.plot_quality_vs_time import main, panels, run_point
+from dalle_lightning.evaluation.plot import PANEL_H, PANEL_W
+from dalle_lightning.evaluation.plot_quality_vs_time import main, panels, run_point
 
 
 def fake_run(folder: Path, total_s: float, best16: float, one: float, recon: float) -> Path:

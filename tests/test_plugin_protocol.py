@@ -5,9 +5,9 @@ from __future__ import annotations
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from torch.optim import Optimizer
 
-import strategies
-from strategies.protocol import UnscalingPrecision
-from strategies.resblock_precision import ResblockScalingPrecision
+import dalle_lightning_plugins
+from dalle_lightning_plugins.protocol import UnscalingPrecision
+from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
 
 
 class DuckPrecision(Precision):
@@ -28,6 +28,7 @@ def test_resblock_precision_satisfies_the_protocol_and_lightnings_own_plugins_do
 
 
 def test_the_package_exports_the_strategy_the_precision_plugin_and_the_protocol() -> None:
-    assert strategies.ResblockScalingPrecision is ResblockScalingPrecision
-    assert strategies.UnscalingPrecision is UnscalingPrecision
-    assert {"ShardedPowerSGDStrategy", "ResblockScalingPrecision", "UnscalingPrecision"} <= set(strategies.__all__)
+    assert dalle_lightning_plugins.ResblockScalingPrecision is ResblockScalingPrecision
+    assert dalle_lightning_plugins.UnscalingPrecision is UnscalingPrecision
+    exported = set(dalle_lightning_plugins.__all__)
+    assert {"ShardedPowerSGDStrategy", "ResblockScalingPrecision", "UnscalingPrecision"} <= exported

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from strategies.householder import orthogonalize, orthogonalize_all
-from strategies.powersgd import PowerSGD
+from dalle_lightning_plugins.householder import orthogonalize, orthogonalize_all
+from dalle_lightning_plugins.powersgd import PowerSGD
 from tests.helpers.distributed import run_distributed
 
 
@@ -88,7 +88,7 @@ def test_dense_gradients_ride_in_the_p_all_reduce() -> None:
 
 def _strategy_step_collectives(rank: int, world_size: int) -> dict:
     from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
-    from strategies import ShardedPowerSGDStrategy
+    from dalle_lightning_plugins import ShardedPowerSGDStrategy
 
     external_launch_env(rank)
     torch.manual_seed(0)

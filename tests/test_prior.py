@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dalle_lightning.lit.prior import PriorModule, drop_captions
 from dalle_lightning.models.prior import DallePrior
-from strategies.protocol import find_resblocks
+from dalle_lightning_plugins.protocol import find_resblocks
 
 TINY = dict(text_vocab_size=40, text_len=7, image_vocab_size=24, image_grid=5, n_layer=4, n_head=2, d_head=8)
 
@@ -196,7 +196,7 @@ def test_lightning_fast_dev_run(tmp_path):
 def test_fid_protocol_decodes_samples_and_real_codes_with_the_dvae():
     """``fid_generate`` = the seeded sampler's tokens through the dVAE; ``fid_real`` = the batch's codes through it."""
     from dalle_lightning.models.dvae import DiscreteVAE
-    from dalle_lightning.sampling import sample_image_tokens
+    from dalle_lightning.generation.sampling import sample_image_tokens
 
     torch.manual_seed(0)
     dvae = DiscreteVAE(image_size=40, group_count=4, n_hid=8, n_blk_per_group=1, vocab_size=24, codebook_dim=8)

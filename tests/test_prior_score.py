@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from dalle_lightning.generate import Generation, Generator
+from dalle_lightning.generation.generate import Generation, Generator
 from dalle_lightning.models.prior import DallePrior
-from dalle_lightning.prior_score import image_log_likelihood, prior_score
-from dalle_lightning.selection import selection_scores, standardise
+from dalle_lightning.generation.prior_score import image_log_likelihood, prior_score
+from dalle_lightning.generation.selection import selection_scores, standardise
 from tests.conftest import run_app
 
 TINY = dict(text_vocab_size=40, text_len=7, image_vocab_size=24, image_grid=4, n_layer=3, n_head=2, d_head=8)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import torch
 
 from dalle_lightning.cli.resume import newest_checkpoint, resume_checkpoint
-from strategies.dcp_checkpoint import COMPLETE_MARKER
+from dalle_lightning_plugins.dcp_checkpoint import COMPLETE_MARKER
 from tests.conftest import CONF, run_app
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dalle_lightning.models.prior import DallePrior, KVCache
-from dalle_lightning.sampling import draw, filter_logits, sample_image_tokens
+from dalle_lightning.generation.sampling import draw, filter_logits, sample_image_tokens
 
 TINY = dict(text_vocab_size=40, text_len=7, image_vocab_size=24, image_grid=5, n_layer=4, n_head=2, d_head=8)
 

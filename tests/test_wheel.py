@@ -1,5 +1,8 @@
-"""The package survives a normal install: a built wheel, installed into a fresh virtualenv, runs its console scripts
-from outside the source tree (the Hydra configs ship inside the package).
+"""Both distributions as ``make dist`` builds them (an sdist each from a clean tree, each wheel from its sdist): what
+the wheels install and require, what they hold, their metadata (``twine check``); and the package survives a normal
+install: both wheels, installed into a fresh virtualenv, run the console scripts from outside the source tree (the
+Hydra configs ship inside the package). tests/test_plugins_fresh_env.py installs the plugins' wheel alone, with
+torch and Lightning only.
 
 The fresh virtualenv reuses this environment's installed dependencies (torch and the rest) through a ``.pth`` file
 instead of downloading them; directories added that way do not run their own ``.pth`` files, so an editable
@@ -8,18 +11,24 @@ install of the project there stays invisible and the wheel's copy is the one imp
 
 from __future__ import annotations
 
+import email
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+
+from tests.helpers.dists import Dist, build_dists
 
 ROOT = Path(__file__).resolve().parents[1]
-IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                "outputs", "multirun", "lightning_logs")
+VERSION = (ROOT / "strategies" / "VERSION").read_text().strip()
+# distribution -> its one top-level import name
+TOP_LEVEL = {"dalle-lightning": "dalle_lightning", "dalle-lightning-plugins": "dalle_lightning_plugins"}
 
 
 def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -29,13 +38,61 @@ def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Dist]:
+    return build_dists(tmp_path_factory.mktemp("dists"))
+
+
+def _metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        return email.message_from_bytes(z.read(name))
+
+
 @pytest.mark.slow
-def test_wheel_installs_and_its_console_scripts_run_outside_the_source_tree(tmp_path: Path) -> None:
-    source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=IGNORE)
-    _run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
-         cwd=source)
-    (wheel,) = (tmp_path / "dist").glob("dalle_lightning-*.whl")
+def test_each_wheel_installs_one_name_of_its_own_and_no_tests(dists: dict[str, Dist]) -> None:
+    for name, dist in dists.items():
+        with zipfile.ZipFile(dist.wheel) as z:
+            files = z.namelist()
+            (top_level,) = [n for n in files if n.endswith(".dist-info/top_level.txt")]
+            assert z.read(top_level).decode().split() == [TOP_LEVEL[name]]
+        assert {f.split("/")[0] for f in files} == {TOP_LEVEL[name], f"{TOP_LEVEL[name]}-{VERSION}.dist-info"}
+        assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc") or "/tests/" in f
+                    or "/benchmarks/" in f], name
+        assert f"{TOP_LEVEL[name]}-{VERSION}.dist-info/licenses/LICENSE" in files
+        meta = _metadata(dist.wheel)
+        assert (meta["Name"], meta["Version"], meta["License-Expression"]) == (name, VERSION, "MIT")
+        assert meta["Requires-Python"] and meta["Summary"] and meta["Description-Content-Type"] == "text/markdown"
+    root_files = zipfile.ZipFile(dists["dalle-lightning"].wheel).namelist()
+    assert "dalle_lightning/callbacks/ema.py" in root_files and "dalle_lightning/conf/train.yaml" in root_files
+    lean_files = zipfile.ZipFile(dists["dalle-lightning-plugins"].wheel).namelist()
+    assert "dalle_lightning_plugins/sharded_powersgd.py" in lean_files
+    with tarfile.open(dists["dalle-lightning-plugins"].sdist) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {"pyproject.toml", "README.md", "LICENSE", "VERSION", "sharded_powersgd.py"} <= names
+
+
+@pytest.mark.slow
+def test_the_plugins_require_torch_and_lightning_and_the_project_pins_them(dists: dict[str, Dist]) -> None:
+    lean = [Requirement(r) for r in _metadata(dists["dalle-lightning-plugins"].wheel).get_all("Requires-Dist")]
+    assert sorted(r.name for r in lean) == ["lightning", "torch"]
+    root = [Requirement(r) for r in _metadata(dists["dalle-lightning"].wheel).get_all("Requires-Dist")]
+    (pin,) = [r for r in root if r.name == "dalle-lightning-plugins"]
+    assert str(pin.specifier) == f"=={VERSION}" and pin.marker is None
+
+
+@pytest.mark.slow
+def test_twine_accepts_every_sdist_and_wheel(dists: dict[str, Dist]) -> None:
+    files = [f for d in dists.values() for f in (d.sdist, d.wheel)]
+    proc = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, files)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("PASSED") == 4, proc.stdout
+
+
+@pytest.mark.slow
+def test_wheels_install_and_the_console_scripts_run_outside_the_source_tree(tmp_path: Path,
+                                                                              dists: dict[str, Dist]) -> None:
 
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
@@ -43,13 +100,15 @@ def test_wheel_installs_and_its_console_scripts_run_outside_the_source_tree(tmp_
     purelib = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
                    .stdout.strip())
     (purelib / "dalle_lightning_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel,
-         cwd=tmp_path)
+    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q",
+         *(d.wheel for d in dists.values()), cwd=tmp_path)
 
     run_dir = tmp_path / "elsewhere"  # neither the source tree nor its copy
     run_dir.mkdir()
-    where = _run(python, "-c", "import dalle_lightning; print(dalle_lightning.__file__)", cwd=run_dir).stdout
-    assert where.startswith(str(purelib)), where
+    where = _run(python, "-c", "import dalle_lightning.callbacks, dalle_lightning_plugins; "
+                 "print(dalle_lightning.callbacks.__file__); print(dalle_lightning_plugins.__file__)",
+                 cwd=run_dir).stdout.split()
+    assert all(w.startswith(str(purelib)) for w in where), where
     _run(bin_dir / "dalle-data", "out_dir=world", "n_train=16", "n_val=8", "n_zeroshot=0", "shard_size=8",
          "hydra.run.dir=runs/data", cwd=run_dir)
     assert sorted(p.name for p in (run_dir / "world" / "train").glob("*.tar")) == ["000000.tar", "000001.tar"]

@@ -158,7 +158,7 @@ def choice(cfg: DictConfig, key: str, allowed: Iterable[str]) -> None:
 
 def rerank(cfg: DictConfig) -> None:
     """``rerank`` names a reranker, and one that uses the contrastive model has one."""
-    from dalle_lightning.selection import RERANKERS
+    from dalle_lightning.generation.selection import RERANKERS
 
     choice(cfg, "rerank", RERANKERS)
     if cfg.rerank == "both" and value(cfg, "clip") is None:

@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from dalle_lightning.artifacts import register_resolvers
 from dalle_lightning.cli.run_lock import release_all, run_id
 from dalle_lightning import hardware
-from strategies.atomic_files import AtomicWriteError
+from dalle_lightning_plugins.atomic_files import AtomicWriteError
 
 log = logging.getLogger("dalle_lightning")
 

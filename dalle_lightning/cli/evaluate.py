@@ -10,7 +10,7 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.atomic_files import write_json
+from dalle_lightning_plugins.atomic_files import write_json
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 
@@ -34,7 +34,7 @@ def summary(report: dict) -> dict:
                 out.setdefault(metric, {})[split] = values
     waterfalls = {split: report[split]["waterfall"] for split in ("seen", "zeroshot") if "waterfall" in report.get(split, {})}
     if waterfalls:
-        from dalle_lightning.waterfall import waterfall_line
+        from dalle_lightning.evaluation.waterfall import waterfall_line
 
         out["waterfall"] = {split: waterfall_line(w) for split, w in waterfalls.items()}
     return out
@@ -60,10 +60,10 @@ def check_input(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    from dalle_lightning.evaluate import evaluate
-    from dalle_lightning.generate import Generator
-    from dalle_lightning.plot import plot_report
-    from dalle_lightning.plot_waterfall import plot_waterfall
+    from dalle_lightning.evaluation.evaluate import evaluate
+    from dalle_lightning.generation.generate import Generator
+    from dalle_lightning.evaluation.plot import plot_report
+    from dalle_lightning.evaluation.plot_waterfall import plot_waterfall
 
     check_keys(cfg, KEYS)
     check_input(cfg)

@@ -1,10 +1,10 @@
 """``dalle-generate``: draw images for prompts (command line or file), rerank, write PNGs and a grid.
 
 ``rerank=clip|prior|both`` picks the kept candidate by the contrastive score, the prior's own score or both
-(``dalle_lightning.selection``).
+(``dalle_lightning.generation.selection``).
 
 With ``prime_image=PATH prime_rows=K`` every image starts from the top K token rows of that image and the prior
-completes the rest under each prompt (the paper's image-to-image translation, see ``dalle_lightning.priming``).
+completes the rest under each prompt (the paper's image-to-image translation, see ``dalle_lightning.generation.priming``).
 ``out_dir`` is new, empty, or an earlier run's output: the earlier run's files are removed before the new ones are
 written (and listed in the folder's marker), never anything else (``outputs.clear_samples``).
 """
@@ -24,9 +24,9 @@ from dalle_lightning.outputs import claim, clear_samples, write_marker
 if TYPE_CHECKING:
     import torch
 
-    from dalle_lightning.generate import Generation, Generator
+    from dalle_lightning.generation.generate import Generation, Generator
 
-log = logging.getLogger("dalle_lightning.generate")
+log = logging.getLogger("dalle_lightning.generation.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
         "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "prime_image",
@@ -50,7 +50,7 @@ def read_prompts(cfg: DictConfig) -> list[str]:
 
 def prime(cfg: DictConfig, gen: Generator, n_prompts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The prime image as the dVAE sees it and its top rows' tokens, one row per prompt (None: no priming)."""
-    from dalle_lightning.priming import check_prime_rows, load_prime_image, prime_tokens
+    from dalle_lightning.generation.priming import check_prime_rows, load_prime_image, prime_tokens
 
     if cfg.prime_image is None:
         return None
@@ -62,8 +62,8 @@ def prime(cfg: DictConfig, gen: Generator, n_prompts: int) -> tuple[torch.Tensor
 
 def run(cfg: DictConfig) -> Generation:
     """Generate, write ``i.png`` per prompt, ``grid.png`` (and ``prime.png`` when priming); return the result."""
-    from dalle_lightning.generate import Generator, check_prompts
-    from dalle_lightning.grid import captioned_grid, save_image
+    from dalle_lightning.generation.generate import Generator, check_prompts
+    from dalle_lightning.evaluation.grid import captioned_grid, save_image
 
     check_keys(cfg, KEYS)
     prompts = check_prompts(read_prompts(cfg))  # fail on an empty prompt before loading any model

@@ -4,7 +4,7 @@ Every training run keeps its checkpoints in ``checkpoints/`` of its Hydra run di
 (``<paths.runs>/<stage>/<time>/``): ``last.ckpt`` and the periodic ones, files single-process, sharded directories
 under ``strategy=sharded_powersgd``. ``resume=auto`` takes the newest complete one of the stage (the last written,
 so a run that was itself resumed and then killed again is continued, not its predecessor), skipping, with one line
-saying which, any that is truncated or incomplete (``strategies.checkpoint_io.checkpoint_problem``);
+saying which, any that is truncated or incomplete (``dalle_lightning_plugins.checkpoint_io.checkpoint_problem``);
 ``resume=PATH`` names one; ``resume=null`` starts from scratch.
 
 Inside a multirun sweep (``dalle-train -m ... resume=auto``) a job's runs live under the sweep directory
@@ -23,7 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from strategies.checkpoint_io import checkpoint_problem
+from dalle_lightning_plugins.checkpoint_io import checkpoint_problem
 
 log = logging.getLogger("dalle_lightning.train")
 

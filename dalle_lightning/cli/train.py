@@ -20,14 +20,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from callbacks.epoch_end_resume import EpochEndResume
-from callbacks.random_state import RandomState
+from dalle_lightning.callbacks.epoch_end_resume import EpochEndResume
+from dalle_lightning.callbacks.random_state import RandomState
 from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
 from dalle_lightning.cli.resume import resume_checkpoint
 from dalle_lightning.lineage import stage_record
-from strategies.atomic_files import write_json
+from dalle_lightning_plugins.atomic_files import write_json
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -44,7 +44,7 @@ def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
     from dalle_lightning.data.epoch_loader import no_data_message
     from dalle_lightning.data.shards import resolve_shards
     from dalle_lightning.data.skips import SkipCounter, read_shards
-    from dalle_lightning.tokenizer import CaptionTokenizer
+    from dalle_lightning.data.tokenizer import CaptionTokenizer
 
     urls = resolve_shards(cfg.data.train_shards)
     limit = cfg.stage.max_captions
@@ -115,11 +115,12 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     figures = getattr(trainer.strategy, "exchange_figures", None)  # ShardedPowerSGDStrategy: bytes, exchange time
     if callable(figures):
         metrics.update(figures())
-    for callback in callbacks:  # e.g. callbacks.step_timer.StepTimer: training rate without validation
+    for callback in callbacks:  # e.g. dalle_lightning.callbacks.step_timer.StepTimer: training rate without validation
         rate = getattr(callback, "updates_per_s", None)
         if isinstance(rate, float):
             metrics["time/updates_per_s"] = rate
-        totals = getattr(callback, "totals", None)  # callbacks.skipped_samples: skipped and converted samples
+        # dalle_lightning.callbacks.skipped_samples: skipped and converted samples
+        totals = getattr(callback, "totals", None)
         if isinstance(totals, dict):
             metrics.update(totals)
     divergence = getattr(trainer.strategy, "replica_divergence", None)

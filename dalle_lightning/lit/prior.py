@@ -4,10 +4,10 @@ Batches are ``{"text": LongTensor[B, T] (0 = padding), "image": LongTensor[B, N]
 optionally with ``"caption": list[str]``.
 
 Given a dVAE (``dvae=``, a module or the path of a saved one), the module also speaks the protocol of
-``callbacks.fid.FIDCallback``: ``fid_generate`` samples image tokens for a validation batch's captions and decodes
+``dalle_lightning.callbacks.fid.FIDCallback``: ``fid_generate`` samples image tokens for a validation batch's captions and decodes
 them, ``fid_real`` decodes the batch's real codes (so FID compares like with like: both through the same
 decoder), and ``fid_captions`` hands over the caption strings for the contrastive score. The same samples and
-captions serve ``callbacks.sample_grid.SampleGrid`` (``sample_images``, ``sample_captions``), so the grid logged at
+captions serve ``dalle_lightning.callbacks.sample_grid.SampleGrid`` (``sample_images``, ``sample_captions``), so the grid logged at
 a validation shows images drawn as the FID's are.
 """
 
@@ -23,7 +23,7 @@ from typing_extensions import override
 from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.models.prior import DallePrior
-from dalle_lightning.sampling import sample_image_tokens
+from dalle_lightning.generation.sampling import sample_image_tokens
 
 
 def drop_captions(text: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from strategies.atomic_files import atomic_path
+from dalle_lightning_plugins.atomic_files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class CaptionTokenizer:
         return cls(Tokenizer.from_file(str(path)), text_len)
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (``strategies.atomic_files``)."""
+        """Write ``tokenizer.json`` atomically (``dalle_lightning_plugins.atomic_files``)."""
         with atomic_path(path) as tmp:
             self.tokenizer.save(str(tmp))
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from callbacks.captioned_grid import render_captioned_grid, to_pil
-from strategies.atomic_files import save_image as write_image
+from dalle_lightning.callbacks.captioned_grid import render_captioned_grid, to_pil
+from dalle_lightning_plugins.atomic_files import save_image as write_image
 
 
 def save_image(image: torch.Tensor, path: str | Path) -> None:

@@ -5,7 +5,7 @@ Each argument is a demo's out_dir (``make demo``'s ``outputs/demo``, ``experimen
 ``eval.json`` the accuracy of the best of 16 (the default reranker's pick), of one sample, and of the dVAE's
 reconstructions (the waterfall's row), per split. The x axis is log2, as the runs' times roughly double.
 
-Usage: ``python -m dalle_lightning.plot_quality_vs_time outputs/demo outputs/long --out docs/quality_vs_time.png``.
+Usage: ``python -m dalle_lightning.evaluation.plot_quality_vs_time outputs/demo outputs/long --out docs/quality_vs_time.png``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dalle_lightning.plot import SPLIT_LABELS, Panel, line_chart
+from dalle_lightning.evaluation.plot import SPLIT_LABELS, Panel, line_chart
 
 XLABEL = "pipeline time (minutes, log scale)"
 

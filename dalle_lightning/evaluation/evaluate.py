@@ -17,7 +17,7 @@ perfect reranker would reach. The gap between it and ``accuracy`` is the reranke
 the generator's (prior and dVAE together). ``accuracy`` follows the chosen reranker (``rerank=clip|prior|both``);
 ``accuracy_clip``, ``accuracy_prior`` and ``accuracy_both`` give every reranker's pick of the same candidates.
 
-Each split also carries its ``waterfall`` (``dalle_lightning.waterfall``): renders, the dVAE's reconstructions and
+Each split also carries its ``waterfall`` (``dalle_lightning.evaluation.waterfall``): renders, the dVAE's reconstructions and
 its codes in use, any-of-N, each reranker's pick and one sample, for all captions and by object count.
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from callbacks.fid import build_fid
-from dalle_lightning.generate import Generation, Generator
-from dalle_lightning.selection import RERANKERS, check_rerank
-from dalle_lightning.waterfall import codebook_usage, object_groups, reconstruct, waterfall_rows
+from dalle_lightning.callbacks.fid import build_fid
+from dalle_lightning.generation.generate import Generation, Generator
+from dalle_lightning.generation.selection import RERANKERS, check_rerank
+from dalle_lightning.evaluation.waterfall import codebook_usage, object_groups, reconstruct, waterfall_rows
 from dalle_lightning.world import Scene, caption_accuracy, render, sample_scene, sample_scenes
 from dalle_lightning.world.detect import match, summarize_matches
 from dalle_lightning.world.scene import split_rng
@@ -84,7 +84,7 @@ def rerankers_of(result: Generation) -> list[str]:
 
 def split_waterfall(gen: Generator, captions: list[str], renders: torch.Tensor, ok: np.ndarray,
                     result: Generation) -> dict[str, Any]:
-    """The split's waterfall at the largest N (``dalle_lightning.waterfall``)."""
+    """The split's waterfall at the largest N (``dalle_lightning.evaluation.waterfall``)."""
     recons, codes = reconstruct(gen.dvae, renders)
     renders_ok = np.array([match(image, c).ok for image, c in zip(renders, captions)])
     recon_ok = np.array([match(image, c).ok for image, c in zip(recons, captions)])

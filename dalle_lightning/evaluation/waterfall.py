@@ -6,7 +6,7 @@ Each row bounds the next from above, so the first large drop names the stage to 
 * ``reconstructions``: the dVAE's reconstructions of those renders (argmax codes -> decoder), what the prior's
   tokens can show at best; beside it the codes in use and the codebook perplexity on those renders;
 * ``any_of_n``: at least one of the N candidates matches (a perfect reranker);
-* ``pick_clip`` / ``pick_prior`` / ``pick_both``: the candidate each reranker keeps (``dalle_lightning.selection``);
+* ``pick_clip`` / ``pick_prior`` / ``pick_both``: the candidate each reranker keeps (``dalle_lightning.generation.selection``);
 * ``one_sample``: the mean over all candidates (no reranking; less noisy than candidate 0 alone).
 
 Every row is given for all captions and apart for one- and two-object captions, whose shapes are smaller and whose

@@ -9,8 +9,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from dalle_lightning.plot import COLOURS, SPLIT_LABELS
-from dalle_lightning.waterfall import GROUPS, ROWS
+from dalle_lightning.evaluation.plot import COLOURS, SPLIT_LABELS
+from dalle_lightning.evaluation.waterfall import GROUPS, ROWS
 
 WIDTH, HEIGHT = 560, 300
 LEFT, RIGHT, TOP, BOTTOM = 46, 12, 30, 52

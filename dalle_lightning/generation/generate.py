@@ -1,11 +1,11 @@
 """Text-to-image generation: prior samples image tokens, the dVAE decodes them, a reranker keeps the best.
 
 The reranker is the contrastive model (``rerank="clip"``), the prior's own score of each candidate
-(``rerank="prior"``, :mod:`dalle_lightning.prior_score`) or both (:mod:`dalle_lightning.selection`).
+(``rerank="prior"``, :mod:`dalle_lightning.generation.prior_score`) or both (:mod:`dalle_lightning.generation.selection`).
 
 Python API::
 
-    from dalle_lightning.generate import Generator
+    from dalle_lightning.generation.generate import Generator
     gen = Generator.from_files(prior="outputs/demo/prior.pt", dvae="outputs/demo/dvae.pt",
                                tokenizer="outputs/demo/tokenizer.json", clip="outputs/demo/clip.pt")
     result = gen.generate(["a red square above a blue circle"], num_candidates=8, seed=0, rerank="both")
@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 
 from dalle_lightning.artifacts import load_model
 from dalle_lightning.lineage import check_pipeline
-from dalle_lightning.prior_score import prior_score
-from dalle_lightning.rerank import Reranker
-from dalle_lightning.sampling import sample_image_tokens
-from dalle_lightning.selection import check_rerank, selection_scores
-from dalle_lightning.tokenizer import CaptionTokenizer
+from dalle_lightning.generation.prior_score import prior_score
+from dalle_lightning.generation.rerank import Reranker
+from dalle_lightning.generation.sampling import sample_image_tokens
+from dalle_lightning.generation.selection import check_rerank, selection_scores
+from dalle_lightning.data.tokenizer import CaptionTokenizer
 
 log = logging.getLogger(__name__)
 
