@@ -35,6 +35,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -114,9 +115,10 @@ def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path,
         log.close()
     text = (run_dir / "node0.log").read_text()
     if any(agent.returncode != 0 for agent, _ in agents) or not (run_dir / "node0" / "metrics.json").exists():
+        # the worker's own exception line (``[rank0]: RuntimeError: ...``), not torchrun's summary after it
         errors = [line for node in (0, 1) for line in (run_dir / f"node{node}.log").read_text().splitlines()
-                  if "Error" in line or "error" in line]
-        return {"error": (errors[-1] if errors else f"exit codes {[a.returncode for a, _ in agents]}")[-300:]}
+                  if re.search(r"\b\w*(Error|Exception): ", line) and "ChildFailedError" not in line]
+        return {"error": (errors[0] if errors else f"exit codes {[a.returncode for a, _ in agents]}")[-300:]}
     metrics = json.loads((run_dir / "node0" / "metrics.json").read_text())["metrics"]
     out: dict[str, Any] = {k: float(v) for k, v in metrics.items()
                            if k.startswith(("time/", "powersgd/", "strategy/", "link/", "val/loss", "replica"))}

@@ -10,7 +10,7 @@ from importlib import metadata as _metadata
 from dalle_lightning_plugins.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
 from dalle_lightning_plugins.mesh import build_mesh, mesh_shape
 from dalle_lightning_plugins.prefetch import apply_prefetch, prefetch_plan
-from dalle_lightning_plugins.protocol import UnscalingPrecision, find_resblocks
+from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision, find_resblocks
 from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 
@@ -20,6 +20,7 @@ except _metadata.PackageNotFoundError:  # imported from a checkout that was neve
     __version__ = "0+unknown"
 
 __all__ = [
+    "GroupUnscalingPrecision",
     "ResblockScalingPrecision",
     "ShardedPowerSGDStrategy",
     "UnscalingPrecision",

@@ -38,7 +38,7 @@ gradient) is sent at the end, after the flags, with zeros for the gradients it l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +117,7 @@ class OverlappedExchange:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._active = False
         self._flights: list[_Flight] = []  # issued this step, in bucket order
+        self._unscale: Callable[[list[torch.Tensor]], None] | None = None
         self.waiting_on = ""  # the collective the step is waiting for, for an error that names it
 
     # ------------------------------------------------------------------ set-up
@@ -172,11 +173,13 @@ class OverlappedExchange:
 
     # ------------------------------------------------------------------ one step
 
-    def begin(self, active: bool) -> None:
-        """Before a backward: ``active`` when this backward ends the step and may overlap (else the hooks idle)."""
+    def begin(self, active: bool, unscale: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Before a backward: ``active`` when this backward ends the step and may overlap (else the hooks idle).
+        ``unscale``: a loss-scaling precision's ``unscale_group``, applied to each group before it is sent."""
         if self._flights:
             raise RuntimeError("OverlappedExchange.begin() with an exchange still in flight; finish() it first")
         self._active = active and bool(self.buckets)
+        self._unscale = unscale
         self.waiting_on = ""
         for bucket in self.buckets:
             bucket.ready = 0
@@ -260,6 +263,8 @@ class OverlappedExchange:
     def _issue(self, bucket: Bucket, rows: dict[str, torch.Tensor], skip_unused: bool = False) -> None:
         """Stage a bucket's M and P and issue its P all-reduce (with its dense gradients on an fp32 wire)."""
         ps = self.powersgd
+        if self._unscale is not None:  # per-block scales are fixed within a step: unscale as it is sent
+            self._unscale([p for _, p in bucket.params if p.grad is not None])
         plain = ps._step < ps.start_step
         dense: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         low: list[tuple[str, torch.Tensor, int]] = []

@@ -25,7 +25,7 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 RESBLOCKS_METHOD = "resblocks"
@@ -53,6 +53,22 @@ class UnscalingPrecision(Protocol):
 
     def mark_nonfinite(self) -> None:
         """Make the coming update a skipped one (after a True from :meth:`unscale_and_flag`)."""
+        ...
+
+
+@runtime_checkable
+class GroupUnscalingPrecision(UnscalingPrecision, Protocol):
+    """An :class:`UnscalingPrecision` that can also unscale a group of gradients during the backward.
+
+    A strategy that overlaps its exchange with the backward (``ShardedPowerSGDStrategy`` at one device per node)
+    calls ``unscale_group(params)`` on each group as soon as its gradients are complete, before sending them, so
+    that every group is compressed unscaled; the scales must stay fixed within a step (they change only in the
+    optimizer step). The plugin records the group's non-finite flags as ``unscale_and_flag`` would, and that
+    later call leaves the groups already unscaled alone (it still agrees on every flag across ranks).
+    """
+
+    def unscale_group(self, params: Sequence[Tensor]) -> None:
+        """Unscale these parameters' gradients in place now and record their non-finite flags."""
         ...
 
 

@@ -97,6 +97,8 @@ class ResblockScalingPrecision(Precision):
         self._pending_state: dict[str, Any] | None = None
         self._agreed: Tensor | None = None  # flags from unscale_and_flag, consumed by the next optimizer_step
         self._groups: tuple[tuple[int, ...], list[list[tuple[list[Tensor], bool]]]] | None = None  # see _parameter_groups
+        self._block_of: dict[int, int] | None = None  # parameter id -> block index, for unscale_group
+        self._unscaled: set[int] = set()  # parameters unscale_group already unscaled this step
 
     # ----------------------------------------------------------------------------------------------- setup
     @override
@@ -120,7 +122,7 @@ class ResblockScalingPrecision(Precision):
         # DTensor parameters, so the per-block lists are built from the optimizer's parameters at its first step
         # (and again whenever those change; see _parameter_groups).
         self._root, self._blocks = module, [mod for _, mod in blocks]
-        self._groups = None
+        self._groups = self._block_of = None
         return module
 
     @staticmethod
@@ -166,6 +168,7 @@ class ResblockScalingPrecision(Precision):
         lightning = model if isinstance(model, pl.LightningModule) and model._trainer is not None else None
         if closure_result is None and lightning is not None and lightning.automatic_optimization:
             self._agreed = None
+            self._unscaled.clear()
             return None  # training_step returned None: no backward ran, nothing to step (as Lightning's AMP)
 
         flags = self._agreed if self._agreed is not None else self._agree(self._unscale_and_check(optimizer))
@@ -193,6 +196,30 @@ class ResblockScalingPrecision(Precision):
         self._agreed = self._agree(self._unscale_and_check(optimizer))
         return not bool((self._agreed > 0).any())
 
+    @torch.no_grad()
+    def unscale_group(self, params: Sequence[Tensor]) -> None:
+        """Unscale these parameters' gradients now, each by its block's scale, and record their flags.
+
+        For a strategy that sends each group of gradients during the backward (``GroupUnscalingPrecision``);
+        the scales change only in ``optimizer_step``, so a group unscaled now is unscaled exactly as it would be
+        at the step, which then leaves it alone.
+        """
+        assert self._boundaries is not None
+        if self._block_of is None:
+            self._block_of = {id(p): i for i, block in enumerate(self._blocks) for p in block.parameters()}
+        outside = len(self._blocks)
+        by_block: dict[int, list[Tensor]] = {}
+        for p in params:
+            if p.grad is not None and id(p) not in self._unscaled:
+                by_block.setdefault(self._block_of.get(id(p), outside), []).append(p)
+        flags, inv_scales = self._boundaries.flags, self._boundaries.inv_scales
+        for index, members in by_block.items():
+            for group, sharded in _buckets(members):
+                grads = [p.grad for p in group]
+                unscale_and_flag([local_shard(g) for g in grads] if sharded else grads,
+                                 inv_scales[index : index + 1], flags[index : index + 1])
+            self._unscaled.update(id(p) for p in members)
+
     def mark_nonfinite(self) -> None:
         """The strategy found a non-finite value after ``unscale_and_flag`` (e.g. in its inter-node sum):
         skip the coming update as for any non-finite gradient outside the blocks (no scale backs off)."""
@@ -213,10 +240,11 @@ class ResblockScalingPrecision(Precision):
         flags, inv_scales = self._boundaries.flags, self._boundaries.inv_scales  # last slot: outside the blocks
         for index, buckets in enumerate(self._parameter_groups(optimizer)):
             for params, sharded in buckets:
-                grads = [p.grad for p in params if p.grad is not None]
+                grads = [p.grad for p in params if p.grad is not None and id(p) not in self._unscaled]
                 if grads:
                     unscale_and_flag([local_shard(g) for g in grads] if sharded else grads,
                                      inv_scales[index : index + 1], flags[index : index + 1])
+        self._unscaled.clear()
         return flags.clone()
 
     def _parameter_groups(self, optimizer: Optimizer) -> list[list[tuple[list[Tensor], bool]]]:

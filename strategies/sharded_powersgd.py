@@ -57,7 +57,12 @@ from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
 from dalle_lightning_plugins.mesh import build_mesh, local_shard
 from dalle_lightning_plugins.powersgd import DEFAULT_RANK, PowerSGD, finite_per_tensor, rank_for_compression
 from dalle_lightning_plugins.prefetch import apply_prefetch
-from dalle_lightning_plugins.protocol import UnscalingPrecision, find_resblocks, resolve_block_class
+from dalle_lightning_plugins.protocol import (
+    GroupUnscalingPrecision,
+    UnscalingPrecision,
+    find_resblocks,
+    resolve_block_class,
+)
 from dalle_lightning_plugins.strategy_checkpoints import ShardedCheckpointing
 
 if TYPE_CHECKING:
@@ -488,15 +493,18 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        overlapped = self._exchange is not None and self._reduces_in_backward(overlapped=True)
         if self._exchange is not None:
-            self._exchange.begin(active=self._reduces_in_backward())
+            precision = self.precision_plugin
+            unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
+            self._exchange.begin(active=overlapped, unscale=unscale)
         try:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         except ExchangeError as error:  # a bucket's collective, issued from a gradient hook, failed
             raise RuntimeError(self._exchange_failure(error, time.perf_counter() - self._backward_start)) from error
         for p in untouched:
             p.grad = None
-        if self._reduces_in_backward():
+        if overlapped or self._reduces_in_backward():
             self._reduced = self.reduce_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -521,18 +529,20 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
         return untouched
 
-    def _reduces_in_backward(self) -> bool:
+    def _reduces_in_backward(self, overlapped: bool = False) -> bool:
         """Whether this backward ends with the inter-node average (else ``optimizer_step`` runs it).
 
         Only the last micro-batch of an automatic step averages (``block_backward_sync`` covers the others). Under
         manual optimisation the step may follow several backwards, and PowerSGD must compress their sum once.
         Under a loss-scaling precision (``GradScaler``, per-block scales) the gradients must be unscaled before
         compression, which Lightning does only in the step: there the average waits for it, and
-        ``on_after_backward`` sees this node's scaled gradients (they are scaled under ``ddp`` too).
+        ``on_after_backward`` sees this node's scaled gradients (they are scaled under ``ddp`` too). The overlapped
+        exchange (``overlapped``) instead has a ``GroupUnscalingPrecision`` unscale each group as it is sent.
         """
         module = self.lightning_module
         precision = self.precision_plugin
-        scaled = isinstance(precision, UnscalingPrecision) or getattr(precision, "scaler", None) is not None
+        scaled = (isinstance(precision, UnscalingPrecision) and not (overlapped and isinstance(precision, GroupUnscalingPrecision))
+                  or getattr(precision, "scaler", None) is not None)
         return (self._synchronised_step and self.world_size > 1 and module is not None
                 and module.automatic_optimization and not scaled)
 

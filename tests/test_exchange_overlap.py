@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import lightning.pytorch as L
 import pytest
@@ -208,3 +209,50 @@ def test_compression_picks_the_rank_that_saves_that_share() -> None:
         ShardedPowerSGDStrategy(powersgd_rank=4, compression=0.9)
     with pytest.raises(ValueError, match="compression=1.5"):
         ShardedPowerSGDStrategy(compression=1.5)
+
+
+def _scaled(rank: int, world_size: int) -> dict:
+    from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+    from tests.test_strategy_precision import PoisonedModule
+
+    external_launch_env(rank)
+    out: dict = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        plugin = ResblockScalingPrecision("bf16")
+        finished: list[bool] = []
+
+        class CountFinish(L.Callback):
+            def setup(self, trainer, pl_module, stage) -> None:
+                exchange = trainer.strategy._exchange
+                if exchange is not None:
+                    finish = exchange.finish
+                    exchange.finish = lambda: finished.append(True) or finish()
+
+        strategy = ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=1, min_compression=0.0, overlap=overlap)
+        module = PoisonedModule(rank)
+        trainer(strategy, devices=2, max_steps=3, plugins=[plugin], callbacks=[CountFinish()]).fit(
+            module, loader(token_dataset(), rank, world_size=2))
+        out[overlap] = {
+            "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "log2": plugin.scales.log2.tolist(), "skipped": plugin.scales.skipped, "finished": len(finished),
+            "error_max": max(float(e.abs().max()) for e in strategy.powersgd._error.values()),
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_per_block_scales_unscale_each_bucket_as_it_is_sent() -> None:
+    """ResblockScalingPrecision at one device per node: the overlapped path runs (each bucket unscaled by the
+    plugin as it is sent), an overflow on rank 0 skips the update and backs off only its block, the error
+    buffers hold unscaled values, and the weights match the end-of-backward path."""
+    growth = math.log2(2 ** (1 / 1000))
+    for res in run_distributed(_scaled, 2, timeout=180):
+        on, off = res[True], res[False]
+        assert on["finished"] == 3 and off["finished"] == 0  # every step overlapped, and none without overlap
+        for r in (on, off):
+            assert r["skipped"] == 1
+            assert r["log2"] == pytest.approx([13 + 2 * growth, 12.5 + 2 * growth, 13 + 2 * growth])
+        assert on["error_max"] < 10.0, on["error_max"]  # a scaled gradient would leave ~2**13 times more
+        for name, value in off["weights"].items():
+            torch.testing.assert_close(on["weights"][name], value, atol=1e-5, rtol=0, msg=name)

@@ -121,6 +121,19 @@ def test_replicas_agree_across_two_namespaces(hosts: two_hosts.TwoHosts, work: P
     assert metrics["powersgd/inter_node_bytes_per_rank"] > 0  # gradients crossed the veth
 
 
+FAILURE_RUN = ("trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "strategy.powersgd_rank=2",
+               "strategy.checkpoint_format=full", f"strategy.timeout={TIMEOUT_S}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(hosts: two_hosts.TwoHosts, work: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The failure cases' run without a failure: the weights a resumed run must reach."""
+    runs = tmp_path_factory.mktemp("uninterrupted")
+    assert wait(start(hosts, work, "uninterrupted", 1, *FAILURE_RUN, runs=runs), timeout=240) == [0, 0], \
+        tail(logs(work, "uninterrupted"))
+    return work / "uninterrupted" / "prior.pt"
+
+
 def _checkpoints(work: Path) -> list[Path]:
     return sorted(p for p in (work / "runs").rglob("*") if "checkpoints" in p.parts)
 
@@ -133,10 +146,9 @@ def _no_process_left(hosts: two_hosts.TwoHosts) -> None:
 
 @pytest.mark.parametrize("failure", ["link_down", "node_killed"])
 def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.TwoHosts, work: Path, failure: str,
-                                                              tmp_path: Path) -> None:
+                                                              uninterrupted: Path, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    common = ("trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "strategy.powersgd_rank=2",
-              "strategy.checkpoint_format=full", f"strategy.timeout={TIMEOUT_S}")
+    common = FAILURE_RUN
     flag = tmp_path / "hold"
     agents = start(hosts, work, f"{failure}/broken", 1, *common, "+callbacks.pause._target_=tests.pause_at.PauseAt",
                    f"+callbacks.pause.flag={flag}", "+callbacks.pause.update=3", runs=runs)
@@ -168,10 +180,8 @@ def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.T
     assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, f"{failure}/resumed"))
     assert "resum" in (work / failure / "resumed" / "node0.log").read_text().lower()
 
-    reference = start(hosts, work, f"{failure}/reference", 1, *common, runs=tmp_path / "reference")
-    assert wait(reference, timeout=240) == [0, 0], tail(logs(work, f"{failure}/reference"))
     got = torch.load(work / failure / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
-    want = torch.load(work / failure / "reference" / "prior.pt", map_location="cpu", weights_only=False)
+    want = torch.load(uninterrupted, map_location="cpu", weights_only=False)
     got, want = got.get("state_dict", got), want.get("state_dict", want)
     for key, value in want.items():
         if torch.is_tensor(value):
