@@ -24,16 +24,22 @@ from tests.test_sharded_stages import free_port
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_torchrun_nodes_train_the_prior_and_end_identical(tmp_path: Path) -> None:
+def tiny_prior_inputs(work_dir: Path) -> None:
+    """What the prior stage reads, as small as it gets: a 64-image world, its tokenizer, a 2-update dVAE, tokens."""
     from dalle_lightning.cli import data, encode
     from dalle_lightning.cli import train as train_app
 
-    work = f"paths.work_dir={tmp_path}"
+    work = f"paths.work_dir={work_dir}"
     run_app(data.main, work, "n_train=64", "n_val=16", "n_zeroshot=8", "shard_size=32")
     run_app(train_app.main, "stage=tokenizer", work)
     run_app(train_app.main, "stage=dvae", work, "model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16",
             "data.batch_size=8", "trainer.max_steps=2", "trainer.enable_progress_bar=false")
     run_app(encode.main, work, "batch_size=32")
+
+
+def test_two_torchrun_nodes_train_the_prior_and_end_identical(tmp_path: Path) -> None:
+    tiny_prior_inputs(tmp_path)
+    work = f"paths.work_dir={tmp_path}"
 
     port = free_port()
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_app
+from tests.test_torchrun_two_nodes import tiny_prior_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("_two_hosts", ROOT / "benchmarks" / "_two_hosts.py")
@@ -49,16 +49,8 @@ def hosts() -> two_hosts.TwoHosts:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dalle_lightning.cli import data, encode
-    from dalle_lightning.cli import train as train_app
-
     work = tmp_path_factory.mktemp("two_namespaces")
-    w = f"paths.work_dir={work}"
-    run_app(data.main, w, "n_train=64", "n_val=16", "n_zeroshot=8", "shard_size=32")
-    run_app(train_app.main, "stage=tokenizer", w)
-    run_app(train_app.main, "stage=dvae", w, "model.n_hid=8", "model.vocab_size=32", "model.codebook_dim=16",
-            "data.batch_size=8", "trainer.max_steps=2", "trainer.enable_progress_bar=false")
-    run_app(encode.main, w, "batch_size=32")
+    tiny_prior_inputs(work)
     return work
 
 
