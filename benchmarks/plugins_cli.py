@@ -1,7 +1,7 @@
 """What the Strategy and the Precision plugin cost in a real ``dalle-train`` run of the demo's prior, as JSON.
 
 Each comparison is a pair of command-line runs on the demo's artifacts (``make demo``'s out_dir), 120 updates
-with validation, FID and sample grids off, timed by ``dalle_lightning.callbacks.step_timer.StepTimer`` (``time/updates_per_s`` in
+with validation, FID and sample grids off, timed by ``dalle_lightning_callbacks.step_timer.StepTimer`` (``time/updates_per_s`` in
 the run's metrics.json). Pairs are interleaved (a, b, a, b, ...) so a disturbance of the shared cores hits both
 sides alike; ``ratio`` is the median of the per-pair ratios a / b.
 
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 BASE = ["stage=prior", "trainer.limit_val_batches=0", "callbacks.fid=null", "callbacks.sample_grid=null",
-        "+callbacks.step_timer._target_=dalle_lightning.callbacks.step_timer.StepTimer"]
+        "+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer"]
 TWO = ["trainer.devices=2"]
 PLUGINS = ["strategy=sharded_powersgd", "strategy.devices_per_node=1"]
 RESBLOCK = ["precision=resblock16", "precision.dtype=bf16"]

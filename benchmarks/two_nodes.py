@@ -51,8 +51,8 @@ two_hosts = importlib.util.module_from_spec(_spec)
 sys.modules["_two_hosts"] = two_hosts
 _spec.loader.exec_module(two_hosts)
 
-TIMER = ["+callbacks.step_timer._target_=dalle_lightning.callbacks.step_timer.StepTimer", "+callbacks.step_timer.skip=10"]
-LINK = ["+callbacks.link_bytes._target_=dalle_lightning.callbacks.link_bytes.LinkBytes", "+callbacks.link_bytes.skip=10"]
+TIMER = ["+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer", "+callbacks.step_timer.skip=10"]
+LINK = ["+callbacks.link_bytes._target_=dalle_lightning_callbacks.link_bytes.LinkBytes", "+callbacks.link_bytes.skip=10"]
 BASE = ["stage=prior", "experiment=shapes", "callbacks.fid=null", "callbacks.sample_grid=null", "callbacks.checkpoint=null",
         "trainer.devices=1", "trainer.num_nodes=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
         *TIMER, *LINK]
@@ -64,7 +64,7 @@ def method_overrides(method: str, rank: int) -> list[str]:
     if method == "ddp":
         return ["strategy=auto", "strategy.name=ddp"]
     if method == "hook":
-        return ["strategy=auto", "strategy.name=ddp", "+callbacks.torch_powersgd._target_=dalle_lightning.callbacks.torch_powersgd.TorchPowerSGDHook",
+        return ["strategy=auto", "strategy.name=ddp", "+callbacks.torch_powersgd._target_=dalle_lightning_callbacks.torch_powersgd.TorchPowerSGDHook",
                 f"+callbacks.torch_powersgd.rank={rank}"]
     if method in ("strategy", "strategy_end"):
         return ["strategy=sharded_powersgd", "strategy.devices_per_node=1", "strategy.checkpoint_format=full",

@@ -22,7 +22,7 @@ from dalle_lightning.hardware import auto_precision, native_bf16
 from dalle_lightning_plugins.atomic_files import write_json
 
 # training updates per second, in metrics.json
-TIMER = "+callbacks.step_timer._target_=dalle_lightning.callbacks.step_timer.StepTimer"
+TIMER = "+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer"
 STEPS: dict[str, list[str]] = {
     "data": ["dalle_lightning.cli.data"],
     "tokenizer": ["dalle_lightning.cli.train", "stage=tokenizer"],

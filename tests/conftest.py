@@ -95,7 +95,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-# Import names the project gave up (now dalle_lightning_plugins and dalle_lightning.callbacks). The repository root
+# Import names the project gave up (now dalle_lightning_plugins and dalle_lightning_callbacks). The repository root
 # is on the path when tests run, so the folders strategies/ and callbacks/ would still import under their folder
 # names and give a second copy of every class; tests/test_import_names.py checks the commands in fresh processes.
 OLD_IMPORT_NAMES = ("strategies", "callbacks")
@@ -112,7 +112,7 @@ def no_old_import_names() -> Iterator[None]:
     session ends: an error at the teardown of the last test names the modules)."""
     yield
     assert not old_modules(), f"imported under an old name: {old_modules()}; use dalle_lightning_plugins / " \
-                              "dalle_lightning.callbacks"
+                              "dalle_lightning_callbacks"
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from PIL import Image
 from torch.distributions import Categorical, Laplace, kl_divergence
 from torch.utils.data import DataLoader
 
-from dalle_lightning.callbacks.image_grid import ReconstructionGrid
+from dalle_lightning_callbacks.image_grid import ReconstructionGrid
 from dalle_lightning.lit.dvae import CodebookPerplexity, DVAEModule
 from dalle_lightning.models.dvae import Decoder, DiscreteVAE, Encoder
 from dalle_lightning_plugins.protocol import find_resblocks
@@ -157,7 +157,7 @@ def test_hard_codes_decode_the_argmax_and_pass_gradients_straight_through() -> N
 
 
 def test_hard_codes_handover_switches_at_its_share_of_the_run(tmp_path: str) -> None:
-    from dalle_lightning.callbacks.schedules import HardCodesHandover
+    from dalle_lightning_callbacks.schedules import HardCodesHandover
 
     seen: list[tuple[int, float]] = []
 
@@ -304,7 +304,7 @@ def test_grid_callback_rejects_bad_arguments() -> None:
 def test_kl_weight_rises_then_falls_over_its_share_of_the_run() -> None:
     from types import SimpleNamespace
 
-    from dalle_lightning.callbacks.schedules import KLWeightAnnealing
+    from dalle_lightning_callbacks.schedules import KLWeightAnnealing
 
     schedule = KLWeightAnnealing(beta=6.6, steps=10, fall_at_fraction=0.5, final=0.0)
     module = SimpleNamespace(kl_weight=0.0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dalle_lightning.callbacks.schedules import KLWeightAnnealing, TemperatureAnnealing
+from dalle_lightning_callbacks.schedules import KLWeightAnnealing, TemperatureAnnealing
 from dalle_lightning.artifacts import load_model, save_model
 from dalle_lightning.lit.dvae import DVAEModule
 from dalle_lightning.models.dvae_fsq import FSQVAE

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from dalle_lightning.callbacks.schedules import KLWeightAnnealing, TemperatureAnnealing
+from dalle_lightning_callbacks.schedules import KLWeightAnnealing, TemperatureAnnealing
 from dalle_lightning.artifacts import load_model, save_model
 from dalle_lightning.lit.dvae import DVAEModule
 from dalle_lightning.models.dvae_vq import VQVAE

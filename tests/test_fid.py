@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dalle_lightning.callbacks.contrastive import ContrastiveScore
-from dalle_lightning.callbacks.fid import ClipImageFeatures, FIDCallback, build_fid
+from dalle_lightning_callbacks.contrastive import ContrastiveScore
+from dalle_lightning_callbacks.fid import ClipImageFeatures, FIDCallback, build_fid
 from tests.helpers.distributed import run_distributed
 
 N_VAL, BATCH, SIZE = 24, 6, 16
@@ -229,7 +229,7 @@ def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
     clip_cfg = {"_target_": "dalle_lightning.models.clip.create", "name": clip_models.SHAPES_CLIP}
     save_model(tmp_path / "clip.pt", clip_cfg, instantiate(clip_cfg))
     cfg = OmegaConf.create(f"""
-    _target_: dalle_lightning.callbacks.fid.FIDCallback
+    _target_: dalle_lightning_callbacks.fid.FIDCallback
     every_n_epochs: 1
     num_images: 8
     features: shapes_clip

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from dalle_lightning.callbacks.fid import FIDCallback
-from dalle_lightning.callbacks.inception import default_weights_path
+from dalle_lightning_callbacks.fid import FIDCallback
+from dalle_lightning_callbacks.inception import default_weights_path
 from tests.test_fid import Generating, val_images
 
 WEIGHTS = "weights-inception-2015-12-05-6726825d.pth"  # the file name torch-fidelity's release download has

@@ -1,5 +1,5 @@
 """The project's commands import its code under the names it owns only: ``dalle_lightning_plugins`` (built from
-``strategies/``) and ``dalle_lightning.callbacks`` (built from ``callbacks/``), never a top-level ``strategies`` or
+``strategies/``) and ``dalle_lightning_callbacks`` (built from ``callbacks/``), never a top-level ``strategies`` or
 ``callbacks``, although both folders would import under those names from the repository root.
 
 Each check runs in a fresh interpreter started in the repository root (the root first on its path, as when a

@@ -141,7 +141,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "LightningOptimizer": ("_optimizer",),
     # ResblockScalingPrecision.optimizer_step and the strategy's GradScaler step run Lightning's hooks and clipping.
     "Precision": ("_after_closure",),
-    # dalle_lightning.callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters.
+    # dalle_lightning_callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters.
     "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch"),
     # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
     "GradScaler": ("_per_optimizer_states",),

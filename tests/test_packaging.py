@@ -33,8 +33,8 @@ def test_package_list_matches_the_source_tree() -> None:
     setuptools = _pyproject(ROOT)["tool"]["setuptools"]
     declared = set(setuptools["packages"])
     found = set(find_packages(str(ROOT), include=["dalle_lightning*"]))
-    assert declared - {"dalle_lightning.conf", "dalle_lightning.callbacks"} == found
-    assert setuptools["package-dir"] == {"dalle_lightning.conf": "conf", "dalle_lightning.callbacks": "callbacks"}
+    assert declared - {"dalle_lightning.conf", "dalle_lightning_callbacks"} == found
+    assert setuptools["package-dir"] == {"dalle_lightning.conf": "conf", "dalle_lightning_callbacks": "callbacks"}
     assert not find_packages(str(ROOT / "callbacks")), "callbacks/ ships as one package, without subpackages"
     assert not (ROOT / "dalle_lightning" / "conf").exists(), "the configs live at the top level, in conf/"
     assert not (ROOT / "dalle_lightning" / "callbacks").exists(), "the callbacks live at the top level, in callbacks/"
@@ -109,7 +109,7 @@ def test_the_callbacks_import_nothing_else_of_dalle_lightning() -> None:
     for path in sorted((ROOT / "callbacks").glob("*.py")):
         for module, _ in _imports(path):
             if module.split(".")[0] in {"dalle_lightning", "strategies", "callbacks"}:
-                assert module.startswith(("dalle_lightning.callbacks", "dalle_lightning_plugins")), (path, module)
+                assert module.startswith(("dalle_lightning_callbacks", "dalle_lightning_plugins")), (path, module)
 
 
 def test_pip_check_is_clean_in_this_environment() -> None:

@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from dalle_lightning.callbacks.batches import take
-from dalle_lightning.callbacks.captioned_grid import to_pil
-from dalle_lightning.callbacks.sample_grid import SampleGrid
+from dalle_lightning_callbacks.batches import take
+from dalle_lightning_callbacks.captioned_grid import to_pil
+from dalle_lightning_callbacks.sample_grid import SampleGrid
 from dalle_lightning.lit.prior import PriorModule
 from dalle_lightning.models.dvae import DiscreteVAE
 from dalle_lightning.models.prior import DallePrior

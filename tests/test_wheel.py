@@ -105,8 +105,8 @@ def test_wheels_install_and_the_console_scripts_run_outside_the_source_tree(tmp_
 
     run_dir = tmp_path / "elsewhere"  # neither the source tree nor its copy
     run_dir.mkdir()
-    where = _run(python, "-c", "import dalle_lightning.callbacks, dalle_lightning_plugins; "
-                 "print(dalle_lightning.callbacks.__file__); print(dalle_lightning_plugins.__file__)",
+    where = _run(python, "-c", "import dalle_lightning_callbacks, dalle_lightning_plugins; "
+                 "print(dalle_lightning_callbacks.__file__); print(dalle_lightning_plugins.__file__)",
                  cwd=run_dir).stdout.split()
     assert all(w.startswith(str(purelib)) for w in where), where
     _run(bin_dir / "dalle-data", "out_dir=world", "n_train=16", "n_val=8", "n_zeroshot=0", "shard_size=8",

@@ -20,8 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dalle_lightning.callbacks.epoch_end_resume import EpochEndResume
-from dalle_lightning.callbacks.random_state import RandomState
+from dalle_lightning_callbacks.epoch_end_resume import EpochEndResume
+from dalle_lightning_callbacks.random_state import RandomState
 from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
@@ -115,11 +115,11 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     figures = getattr(trainer.strategy, "exchange_figures", None)  # ShardedPowerSGDStrategy: bytes, exchange time
     if callable(figures):
         metrics.update(figures())
-    for callback in callbacks:  # e.g. dalle_lightning.callbacks.step_timer.StepTimer: training rate without validation
+    for callback in callbacks:  # e.g. dalle_lightning_callbacks.step_timer.StepTimer: training rate without validation
         rate = getattr(callback, "updates_per_s", None)
         if isinstance(rate, float):
             metrics["time/updates_per_s"] = rate
-        # dalle_lightning.callbacks.skipped_samples: skipped and converted samples
+        # dalle_lightning_callbacks.skipped_samples: skipped and converted samples
         totals = getattr(callback, "totals", None)
         if isinstance(totals, dict):
             metrics.update(totals)

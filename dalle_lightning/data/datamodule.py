@@ -5,7 +5,7 @@ and loader workers so each consumer sees different samples, shuffle with a buffe
 cannot be read (empty, truncated, not a tar) or a sample that cannot be used (corrupt image, missing/empty
 caption, non-UTF-8 text, bad token arrays, a wrong code count, an out-of-range code or id) is skipped, counted
 by reason and logged; it never stops training. The counts (``skipped``, ``skip_counts()``) include the loader
-workers' (``data.skips``); ``dalle_lightning.callbacks.skipped_samples`` sums them over ranks into metrics. A training pass that
+workers' (``data.skips``); ``dalle_lightning_callbacks.skipped_samples`` sums them over ranks into metrics. A training pass that
 yields no batch at all is an error naming the shards (``data.epoch_loader``), not an endless run of empty epochs.
 
 The training order is a function of the seed and the epoch alone (shards, samples, and each sample's

@@ -3,7 +3,7 @@
 A skipped sample or shard never stops training, but it must not go unseen: each one is logged with its key and
 counted by reason. Loader workers are separate processes, so a plain counter in a worker dies with it; the
 counts live in a shared-memory tensor, one row per process (the main one, then each worker), which the main
-process sums. ``dalle_lightning.callbacks.skipped_samples`` then sums them over ranks and logs them as metrics.
+process sums. ``dalle_lightning_callbacks.skipped_samples`` then sums them over ranks and logs them as metrics.
 
 Shard-level failures are counted once per shard and pass: an empty file, a file that is not a tar, and a
 truncated tar (which Python's stream reader ends silently at a cut header, so the file's end is checked too).

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dalle_lightning.callbacks.fid import build_fid
+from dalle_lightning_callbacks.fid import build_fid
 from dalle_lightning.generation.generate import Generation, Generator
 from dalle_lightning.generation.selection import RERANKERS, check_rerank
 from dalle_lightning.evaluation.waterfall import codebook_usage, object_groups, reconstruct, waterfall_rows

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from dalle_lightning.callbacks.captioned_grid import render_captioned_grid, to_pil
+from dalle_lightning_callbacks.captioned_grid import render_captioned_grid, to_pil
 from dalle_lightning_plugins.atomic_files import save_image as write_image
 
 

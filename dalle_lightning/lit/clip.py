@@ -174,7 +174,7 @@ class ClipModule(FusedOptimizerClipping):
             self.model.logit_scale.clamp_(0, 4.6052)
 
     def random_generators(self) -> dict[str, Any]:
-        """Generators of this module's own (protocol of ``dalle_lightning.callbacks.random_state``): the hard negatives' draws,
+        """Generators of this module's own (protocol of ``dalle_lightning_callbacks.random_state``): the hard negatives' draws,
         which a resumed run must continue."""
         rng = getattr(self.negatives, "rng", None)
         return {"negatives": rng} if rng is not None else {}

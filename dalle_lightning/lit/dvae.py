@@ -1,7 +1,7 @@
 """LightningModule for stage 1: trains a :class:`DiscreteVAE` on image batches ``{"image": [B, 3, H, W]}``.
 
 The Gumbel temperature and KL weight are plain float attributes so that schedule callbacks
-(``dalle_lightning.callbacks.schedules``) can set them before every batch; the module just reads them. A model without the
+(``dalle_lightning_callbacks.schedules``) can set them before every batch; the module just reads them. A model without the
 relaxation (``relaxed = False``: :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`) has neither, so both attributes
 are None and the schedules leave them alone.
 """
@@ -72,7 +72,7 @@ class DVAEModule(FusedOptimizerClipping):
         self.temperature: float | None = float(temperature) if relaxed else None
         self.kl_weight: float | None = float(kl_weight) if relaxed else None
         # 1: decode argmax codes with a straight-through gradient
-        #    (set by dalle_lightning.callbacks.schedules.HardCodesHandover)
+        #    (set by dalle_lightning_callbacks.schedules.HardCodesHandover)
         self.hard_codes: float | None = 0.0 if relaxed else None
         self.val_mse = MeanSquaredError()
         self.val_psnr = PeakSignalNoiseRatio(data_range=1.0)
@@ -90,7 +90,7 @@ class DVAEModule(FusedOptimizerClipping):
         return self.model.resblocks()
 
     def reconstruct(self, images: torch.Tensor) -> torch.Tensor:
-        """Protocol of ``dalle_lightning.callbacks.image_grid.ReconstructionGrid``: images in [0, 1] -> reconstructions in [0, 1]."""
+        """Protocol of ``dalle_lightning_callbacks.image_grid.ReconstructionGrid``: images in [0, 1] -> reconstructions in [0, 1]."""
         return self.model.reconstruct(images)
 
     def get_codebook_indices(self, images: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,10 @@ Batches are ``{"text": LongTensor[B, T] (0 = padding), "image": LongTensor[B, N]
 optionally with ``"caption": list[str]``.
 
 Given a dVAE (``dvae=``, a module or the path of a saved one), the module also speaks the protocol of
-``dalle_lightning.callbacks.fid.FIDCallback``: ``fid_generate`` samples image tokens for a validation batch's captions and decodes
+``dalle_lightning_callbacks.fid.FIDCallback``: ``fid_generate`` samples image tokens for a validation batch's captions and decodes
 them, ``fid_real`` decodes the batch's real codes (so FID compares like with like: both through the same
 decoder), and ``fid_captions`` hands over the caption strings for the contrastive score. The same samples and
-captions serve ``dalle_lightning.callbacks.sample_grid.SampleGrid`` (``sample_images``, ``sample_captions``), so the grid logged at
+captions serve ``dalle_lightning_callbacks.sample_grid.SampleGrid`` (``sample_images``, ``sample_captions``), so the grid logged at
 a validation shows images drawn as the FID's are.
 """
 

@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dalle_lightning.callbacks.ema import EMA
-from dalle_lightning.callbacks.nonfinite import NonFiniteGuard
+from dalle_lightning_callbacks.ema import EMA
+from dalle_lightning_callbacks.nonfinite import NonFiniteGuard
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.test_strategy_common import VOCAB, WIDTH, TinyResNet, token_dataset
 

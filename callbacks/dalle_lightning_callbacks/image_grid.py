@@ -18,8 +18,8 @@ from PIL import Image
 from torchvision.utils import make_grid
 from typing_extensions import override
 
-from dalle_lightning.callbacks.log_image import log_image
-from dalle_lightning.callbacks.sharding import full_parameters
+from dalle_lightning_callbacks.log_image import log_image
+from dalle_lightning_callbacks.sharding import full_parameters
 from dalle_lightning_plugins.atomic_files import save_image
 
 

@@ -11,7 +11,7 @@ Protocol: the LightningModule has
 
 The callback generates for the first ``num_images`` validation samples (on every rank: a sharded model needs
 all ranks in its forward), and rank zero writes ``samples_step{N}.png`` into the log directory and logs the grid
-(see :mod:`dalle_lightning.callbacks.log_image`): TensorBoard gets an image event, Weights & Biases an image with a caption,
+(see :mod:`dalle_lightning_callbacks.log_image`): TensorBoard gets an image event, Weights & Biases an image with a caption,
 and a CSV-only run has the PNG beside its metrics.
 """
 
@@ -25,10 +25,10 @@ import torch
 from torchvision.transforms.functional import pil_to_tensor
 from typing_extensions import override
 
-from dalle_lightning.callbacks.batches import take
-from dalle_lightning.callbacks.captioned_grid import render_captioned_grid
-from dalle_lightning.callbacks.log_image import log_image
-from dalle_lightning.callbacks.sharding import full_parameters
+from dalle_lightning_callbacks.batches import take
+from dalle_lightning_callbacks.captioned_grid import render_captioned_grid
+from dalle_lightning_callbacks.log_image import log_image
+from dalle_lightning_callbacks.sharding import full_parameters
 from dalle_lightning_plugins.atomic_files import save_image
 
 

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from dalle_lightning.callbacks.sharding import local, reshard
+from dalle_lightning_callbacks.sharding import local, reshard
 
 EMA_STATE_KEY = "ema_state_dict"
 

@@ -2,7 +2,7 @@
 
 Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA and ignores it elsewhere, so on CPU
 (gloo) the hook is registered here, on the DDP-wrapped model at fit start (after the strategy wrapped it):
-``+callbacks.torch_powersgd._target_=dalle_lightning.callbacks.torch_powersgd.TorchPowerSGDHook +callbacks.torch_powersgd.rank=4``.
+``+callbacks.torch_powersgd._target_=dalle_lightning_callbacks.torch_powersgd.TorchPowerSGDHook +callbacks.torch_powersgd.rank=4``.
 ``start_iter`` defaults to 2 rather than torch's 1,000, which would leave a short run uncompressed.
 """
 

@@ -21,7 +21,7 @@ An FID is only comparable with FIDs in the same feature space, so the metric is 
 
 - ``features="inception"``: the standard Inception-v3 of published FIDs (torchmetrics' ``NoTrainInceptionV3``,
   needs ``torch-fidelity``), read from ``inception_weights`` or from torch's hub cache (see
-  :mod:`dalle_lightning.callbacks.inception`); any ``feature_extractor`` is then ignored;
+  :mod:`dalle_lightning_callbacks.inception`); any ``feature_extractor`` is then ignored;
 - ``feature_extractor``: a module or callable ``images [B, 3, H, W] in [0, 1] -> features [B, D]``, named by
   ``features`` (``"custom"`` when unnamed); an open_clip model (anything with ``encode_image``) is wrapped by
   :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.generation.rerank.Reranker``) is used
@@ -41,10 +41,10 @@ from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
-from dalle_lightning.callbacks.batches import take
-from dalle_lightning.callbacks.contrastive import ContrastiveScore
-from dalle_lightning.callbacks.inception import INCEPTION, inception_weights as find_inception_weights
-from dalle_lightning.callbacks.sharding import full_parameters
+from dalle_lightning_callbacks.batches import take
+from dalle_lightning_callbacks.contrastive import ContrastiveScore
+from dalle_lightning_callbacks.inception import INCEPTION, inception_weights as find_inception_weights
+from dalle_lightning_callbacks.sharding import full_parameters
 
 INCEPTION_DIM = 2048
 

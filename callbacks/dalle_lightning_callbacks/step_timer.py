@@ -3,7 +3,7 @@
 Lightning's ``ThroughputMonitor`` needs a batch-size function and FLOP counts; this one only counts updates,
 so any stage can report its rate from config alone (printed as a JSON line at the end of training, and as
 ``time/updates_per_s`` among the trainer's metrics until the next validation resets them):
-``+callbacks.step_timer._target_=dalle_lightning.callbacks.step_timer.StepTimer``.
+``+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer``.
 
 It also keeps a *loss timeline*: at every validation, the update count, the training seconds since the first
 update (validation excluded) and the validation loss, printed as one JSON line at the end (``timeline``), so a
