@@ -36,7 +36,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from dalle_lightning.models.prior import DallePrior  # noqa: E402
 from prior_throughput import SHAPES  # noqa: E402
-from dalle_lightning_plugins.powersgd import PowerSGD, finite_per_tensor, plan_rank  # noqa: E402
+from dalle_lightning_plugins.powersgd import PowerSGD, plan_rank  # noqa: E402
+from dalle_lightning_plugins.step_flags import finite_per_tensor  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 PRIOR = {**SHAPES["demo"][0], "text_vocab_size": 350}  # the demo tokenizer's 350 words
@@ -96,7 +97,7 @@ def worker(rank: int, world_size: int, ranks: list[int], exchanges: int) -> dict
         low = [item for item in low if item[2]]
         alone = PowerSGD(alone_groups[rank], rank=r)
         entry["arithmetic_ms"] = round(median_ms(
-            lambda: alone._reduce_low_rank([(n, g.clone(), k) for n, g, k in low]), exchanges) - clone_ms, 3)
+            lambda: alone._reduce_low_rank([alone.form(n, g.clone(), k, staged=False) for n, g, k in low]), exchanges) - clone_ms, 3)
         entry["finite_check_ms"] = median_ms(lambda: bool(finite_per_tensor([g for _, g in grads]).all()), exchanges)
         p_numel = sum(g.shape[0] * k for _, g, k in low) + sum(g.numel() for n, g in grads if n in embeddings or g.ndim < 2)
         entry["all_reduce_ms"] = {

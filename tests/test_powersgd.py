@@ -119,7 +119,7 @@ def _check_collectives(node: int, shard: int, group: dist.ProcessGroup, comm_dty
     all_numel = sum(int(torch.tensor(s).prod()) for s in shapes.values())
     return {
         "calls": calls,
-        "expected_calls": [("world", 1, torch.float32), ("replicate", dense_numel, torch.float32),
+        "expected_calls": [("world", 1, torch.uint8), ("replicate", dense_numel, torch.float32),
                            ("replicate", p_numel, comm_dtype), ("replicate", q_numel, comm_dtype)],
         "bytes": (psgd.stats.bytes_sent_last_step, psgd.stats.uncompressed_bytes_last_step),
         "expected_bytes": (4 * dense_numel + wire * (p_numel + q_numel), 4 * all_numel),

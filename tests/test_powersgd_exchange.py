@@ -44,7 +44,7 @@ def test_low_rank_step_matches_the_textbook_formulas() -> None:
         p = orthogonalize(m @ q)
         approx = p @ (m.T @ p).T
         expected_grad[name], expected_error[name] = approx.view(g.shape), m - approx
-    sent = psgd._reduce_low_rank([(n, g, 2) for n, g in grads.items()])
+    sent = psgd._reduce_low_rank([psgd.form(n, g, 2, staged=False) for n, g in grads.items()])
     for name, g in grads.items():
         torch.testing.assert_close(g, expected_grad[name], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(psgd._error[name], expected_error[name], atol=1e-5, rtol=1e-5)

@@ -33,7 +33,7 @@ def test_setup_environment_sets_this_ranks_cuda_device_first() -> None:
             mock.patch("lightning.pytorch.accelerators.cuda._check_cuda_matmul_precision"),
             mock.patch.object(ShardedPowerSGDStrategy, "_setup_distributed", lambda self: calls.append("init_process_group")),
             mock.patch("dalle_lightning_plugins.sharded_powersgd.build_mesh", return_value=mock.MagicMock()),
-            mock.patch("dalle_lightning_plugins.sharded_powersgd.PowerSGD"),
+            mock.patch("dalle_lightning_plugins.inter_node.PowerSGD"),
         ):
             strategy.setup_environment()
         assert strategy.root_device == torch.device("cuda", 3)

@@ -6,7 +6,8 @@ sends. Here every *bucket* of gradients (one resblock's parameters; the root's p
 exchange as soon as its last gradient is accumulated, as DDP's communication hooks do per bucket, and the step
 waits only for what is still in flight once the backward ends.
 
-Each bucket is two all-reduces over the replicate group, with PowerSGD's arithmetic in between::
+Each bucket is two all-reduces over the replicate group, with PowerSGD's stages (:class:`PowerSGD`'s ``form``,
+``p_factor``, ``q_factors``, ``commit``; the same ones its end-of-backward path runs) in between::
 
     M = e + g (staged, e untouched)   ->  all-reduce [dense gradients, P^T = Q^T M^T]   (the "P" group)
     P <- orthonormal basis of P       ->  all-reduce Q'^T = P^T M                       (the "Q" group)
@@ -31,7 +32,7 @@ The paper's semantics are kept exactly:
 
 Where the overlap cannot apply (manual optimisation, a non-final micro-batch, a loss-scaling precision that
 unscales in the step, several devices per node) the strategy calls :meth:`PowerSGD.reduce` at the end of the
-backward instead, as before; a bucket that never becomes ready in the backward (a parameter this rank gave no
+backward instead (``inter_node.exchange_path`` decides); a bucket that never becomes ready in the backward (a parameter this rank gave no
 gradient) is sent at the end, after the flags, with zeros for the gradients it lacks, as ``ddp`` does with
 ``find_unused_parameters``.
 """
@@ -45,12 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.comm_dtype import from_comm, to_comm
-from dalle_lightning_plugins.householder import orthogonalize_all
-from dalle_lightning_plugins.powersgd import FP32_BYTES, PowerSGD, finite_per_tensor
+from dalle_lightning_plugins.powersgd import FP32_BYTES, LowRank, PowerSGD
+from dalle_lightning_plugins.step_flags import agree_step_flags
 
 ROOT_BUCKET = "<root>"  # parameters outside every resblock: sent after the flags (embedding rows need them)
-MASK_BYTES = 1  # one uint8 per embedding row in the flag all-reduce
 
 
 class ExchangeError(RuntimeError):
@@ -78,14 +77,12 @@ class _Flight:
 
     bucket: str
     dense: list[tuple[str, torch.Tensor, torch.Tensor | None]]  # (name, grad, rows sent, None for all)
-    low: list[tuple[str, torch.Tensor, int]]  # (name, grad, rank)
-    mats: list[torch.Tensor] = field(default_factory=list)  # staged M = e + g, fp32
+    low: list[LowRank]  # the compressed gradients, M staged
     n_dense: int = 0  # dense elements at the front of p_buf (fp32 wire), else in dense_buf
     dense_buf: torch.Tensor | None = None  # fp32 dense gradients, apart from a 16-bit P wire
     p_buf: torch.Tensor | None = None
     works: list[dist.Work] = field(default_factory=list)  # dense and P all-reduces
     dense_mean: torch.Tensor | None = None
-    ps: list[torch.Tensor] = field(default_factory=list)  # orthonormal P of every matrix
     q_buf: torch.Tensor | None = None
     q_work: dist.Work | None = None
     q_issued: bool = False
@@ -102,8 +99,8 @@ class OverlappedExchange:
         flag_group: the group over which the skip decision and unused gradients are agreed (every rank).
         bucket_cap_mb: consecutive resblocks share a bucket while their parameters fit in this many MiB (0: one
             bucket per resblock). Each bucket costs two collectives, and each collective a wake-up of the
-            communication threads, which on busy cores costs more than the bytes on a fast link (the demo's prior
-            at 50 Mbit/s: 3.53-3.64 updates/s at 1 MiB, 3.05-3.43 at one bucket per resblock; docs/results.md).
+            communication threads, which on busy cores can cost more than the bytes on a fast link
+            (docs/results.md, "the strategy over a slow link", has the figures behind the default).
     """
 
     def __init__(self, powersgd: PowerSGD, p_group: dist.ProcessGroup, q_group: dist.ProcessGroup,
@@ -213,50 +210,24 @@ class OverlappedExchange:
         self._active = False
         ps = self.powersgd
         named = [(n, p) for bucket in self.buckets for n, p in bucket.params]
-        grads = [p.grad for _, p in named if p.grad is not None]
-        bad = (~finite_per_tensor(grads).all()).reshape(1) if grads else torch.zeros(1, dtype=torch.bool)
-        masks = [self._used_rows(p) for n, p in named if n in self._row_sparse]
-        used = torch.tensor([p.grad is not None for _, p in named], dtype=torch.uint8)
-        flags = torch.cat([used.to(bad.device), bad.to(torch.uint8), *[m.to(bad.device) for m in masks]])
         if dist.is_initialized():
             self.waiting_on = "the flag all-reduce (non-finite gradients, unused parameters, embedding rows)"
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flag_group)
-        flags_host = flags.cpu()  # the step's one host synchronisation
-        n = len(named)
-        anywhere_used = flags_host[:n].bool().tolist()
-        finite = not bool(flags_host[n])
-        rows: dict[str, torch.Tensor] = {}
-        offset = n + 1
-        for name, mask in zip(self._row_sparse, masks):
-            rows[name] = flags_host[offset: offset + mask.numel()].nonzero().flatten()
-            offset += mask.numel()
-        # Gradients another rank has: zeros here (ddp's find_unused_parameters); one nobody used stays None.
-        for (name, p), was_used in zip(named, anywhere_used):
-            if was_used and p.grad is None:
-                p.grad = torch.zeros_like(p)
+        flags = agree_step_flags([p.grad for _, p in named if p.grad is not None], whole=[p for _, p in named],
+                                 row_sparse=[(n, p) for n, p in named if n in self._row_sparse], group=self.flag_group)
         for bucket in self.buckets[len(self._flights):]:
-            if finite or bucket.name != ROOT_BUCKET:  # a skipped step still matches the others' collectives
-                self._issue(bucket, rows, skip_unused=True)
+            if flags.finite or bucket.name != ROOT_BUCKET:  # a skipped step still matches the others' collectives
+                self._issue(bucket, flags.rows, skip_unused=True)
         self._progress(block=True)
         flights, self._flights = self._flights, []
-        if not finite:
-            ps.stats.record_skip()
+        if not flags.finite:
+            ps.count_skip()
             return False
-        sent = MASK_BYTES * sum(m.numel() for m in masks) if ps.replicas > 1 else 0
+        sent = flags.row_mask_bytes if ps.replicas > 1 else 0
         for flight in flights:
             self._commit(flight)
             sent += flight.sent
-        ps.stats.steps += 1
-        ps.stats._record(sent, sum(p.numel() for _, p in named if p.grad is not None) * FP32_BYTES)
-        ps._step += 1
+        ps.count_step(sent, sum(p.numel() for _, p in named if p.grad is not None) * FP32_BYTES)
         return True
-
-    @staticmethod
-    def _used_rows(p: nn.Parameter) -> torch.Tensor:
-        """1 for each row of an embedding gradient holding a non-zero (or non-finite) value, else 0."""
-        if p.grad is None:
-            return torch.zeros(p.shape[0], dtype=torch.uint8, device=p.device)
-        return p.grad.ne(0).any(dim=1).to(torch.uint8)
 
     # ------------------------------------------------------------------ a bucket's two collectives
 
@@ -265,29 +236,22 @@ class OverlappedExchange:
         ps = self.powersgd
         if self._unscale is not None:  # per-block scales are fixed within a step: unscale as it is sent
             self._unscale([p for _, p in bucket.params if p.grad is not None])
-        plain = ps._step < ps.start_step
         dense: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
-        low: list[tuple[str, torch.Tensor, int]] = []
+        low: list[LowRank] = []
         for name, p in bucket.params:
             if p.grad is None:
                 if skip_unused:
                     continue  # no rank used it: left alone, as under ddp
                 raise RuntimeError(f"bucket {bucket.name} issued without a gradient for {name}")
-            g = p.grad
-            r = 0 if plain or name in self._uncompressed else ps.plan(g.shape)
+            r = ps.rank_for(name, p.grad.shape, self._uncompressed)
             if r:
-                low.append((name, g, r))
+                low.append(ps.form(name, p.grad, r, staged=True))
             else:
-                dense.append((name, g, rows.get(name)))
+                dense.append((name, p.grad, rows.get(name)))
         flight = _Flight(bucket.name, dense, low)
         dense_parts = [(g if idx is None else g.index_select(0, idx.to(g.device))).reshape(-1).float()
                        for _, g, idx in dense]
-        pts = []
-        for name, g, r in low:
-            g2 = g.reshape(g.shape[0], -1)
-            m = ps.error_buffer(name, g2.shape, g.device).add(g2) if ps.error_feedback else g2.float()
-            flight.mats.append(m)
-            pts.append((ps.fixed_q(name, m.shape[1], r, g.device).T @ m.T).reshape(-1))
+        pts = [ps.p_factor(item).reshape(-1) for item in low]
         n_dense = sum(t.numel() for t in dense_parts)
         n_p = sum(t.numel() for t in pts)
         flight.sent = n_dense * FP32_BYTES + n_p * self._wire_bytes
@@ -296,7 +260,7 @@ class OverlappedExchange:
             flight.p_buf = torch.cat(dense_parts + pts) if dense_parts or pts else torch.zeros(0)
         else:
             flight.dense_buf = torch.cat(dense_parts) if dense_parts else None
-            flight.p_buf = self._wire(torch.cat(pts))
+            flight.p_buf = ps.to_wire(torch.cat(pts), ps.comm_dtype)
         for buf in (flight.dense_buf, flight.p_buf):
             if buf is not None and buf.numel():
                 flight.works.append(dist.all_reduce(buf, group=self.p_group, async_op=True))
@@ -305,11 +269,6 @@ class OverlappedExchange:
     @property
     def _wire_bytes(self) -> int:
         return torch.finfo(self.powersgd.comm_dtype).bits // 8
-
-    def _wire(self, flat: torch.Tensor) -> torch.Tensor:
-        """A 16-bit wire: divided by the replicas first and clamped, so the sum cannot overflow the format."""
-        world = self.powersgd.replicas
-        return to_comm(flat / world, self.powersgd.comm_dtype, summands=world)
 
     def _progress(self, block: bool) -> None:
         """Start the Q all-reduce of every issued bucket whose P has arrived, in bucket order (all when ``block``)."""
@@ -331,22 +290,19 @@ class OverlappedExchange:
     def _issue_q(self, flight: _Flight) -> None:
         """P has arrived: orthogonalise it, stage Q'^T = P^T M and issue its all-reduce on the Q group."""
         ps = self.powersgd
-        world = ps.replicas
         flight.q_issued = True
         assert flight.p_buf is not None
         if flight.dense_buf is None:
-            mean = flight.p_buf.div_(world)
+            mean = ps.from_wire(flight.p_buf, torch.float32)
             flight.dense_mean, pts_flat = mean[:flight.n_dense], mean[flight.n_dense:]
         else:
-            flight.dense_mean = flight.dense_buf.div_(world)
-            pts_flat = from_comm(flight.p_buf)
+            flight.dense_mean = ps.from_wire(flight.dense_buf, torch.float32)
+            pts_flat = ps.from_wire(flight.p_buf, ps.comm_dtype)
         if not flight.low:
             return
-        sizes = [r * m.shape[0] for (_, _, r), m in zip(flight.low, flight.mats)]
-        pts = [c.view(r, m.shape[0]) for c, (_, _, r), m in zip(pts_flat.split(sizes), flight.low, flight.mats)]
-        flight.ps = orthogonalize_all([pt.T for pt in pts], ps.eps)
-        qts = torch.cat([(p.T @ m).reshape(-1) for p, m in zip(flight.ps, flight.mats)])
-        flight.q_buf = qts if ps.comm_dtype == torch.float32 else self._wire(qts)
+        pts = pts_flat.split([item.rank * item.m.shape[0] for item in flight.low])
+        qts = torch.cat([qt.reshape(-1) for qt in ps.q_factors(flight.low, pts)])
+        flight.q_buf = ps.to_wire(qts, ps.comm_dtype)
         flight.sent += qts.numel() * self._wire_bytes
         flight.q_work = dist.all_reduce(flight.q_buf, group=self.q_group, async_op=True)
 
@@ -369,19 +325,6 @@ class OverlappedExchange:
         if not flight.low:
             return
         assert flight.q_buf is not None
-        qflat = flight.q_buf.div_(ps.replicas) if ps.comm_dtype == torch.float32 else from_comm(flight.q_buf)
-        sizes = [r * m.shape[1] for (_, _, r), m in zip(flight.low, flight.mats)]
-        for (name, g, r), m, p, qt in zip(flight.low, flight.mats, flight.ps, qflat.split(sizes)):
-            qt = qt.view(r, m.shape[1])
-            if g.is_contiguous() and g.dtype == torch.float32:
-                approx = torch.mm(p, qt, out=g.view(m.shape))  # straight into the gradient
-            else:
-                approx = p @ qt
-                g.copy_(approx.view(g.shape))
-            if ps.error_feedback:
-                m.sub_(approx)
-                # The paper's rule, without a host sync: a contaminated buffer starts again from zero.
-                m.masked_fill_(~finite_per_tensor([m])[0], 0.0)
-                ps.set_error_buffer(name, m)
-            if ps.warm_start:
-                ps.set_q(name, qt.T.clone())
+        qflat = ps.from_wire(flight.q_buf, ps.comm_dtype)
+        for item, qt in zip(flight.low, qflat.split([item.rank * item.m.shape[1] for item in flight.low])):
+            ps.commit(item, qt)

@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from dalle_lightning_plugins.comm_dtype import from_comm, resolve_comm_dtype, to_comm
 from dalle_lightning_plugins.householder import orthogonalize_all
+from dalle_lightning_plugins.step_flags import agree_step_flags, finite_per_tensor
 
 FP32_BYTES = 4
-# The strategy's rank when neither a rank nor a compression is given: the fastest of ranks 4, 16 and 32 to ddp's
-# 400-update val loss with the demo's prior over a 200 Mbit/s link (0.67x ddp's time; rank 4 never reached it in
-# 500 updates). Compression 0.67 of the prior's matrices; the paper ran 0.86. docs/results.md has the figures.
+# The strategy's rank when neither a rank nor a compression is given; docs/results.md ("time to loss") says how
+# it was chosen.
 DEFAULT_RANK = 32
 
 
@@ -102,14 +102,15 @@ def _fixed_gaussian(name: str, seed: int, rows: int, cols: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=gen, dtype=torch.float32)
 
 
-def finite_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One bool per tensor, on the device: all its elements are finite.
+@dataclass
+class LowRank:
+    """One compressed gradient between the stages of :class:`PowerSGD`: the gradient, its rank, M and P."""
 
-    ``(t * 0).sum()`` is 0 when every element is finite and NaN otherwise (Inf * 0 and NaN * 0 are NaN), and it
-    cannot overflow. On CPU it takes two vectorised passes where ``torch.isfinite(t).all()`` takes four (7x slower
-    over the prior's gradients); no host synchronisation either way.
-    """
-    return torch.stack([t.mul(0).sum() for t in tensors]).isfinite()
+    name: str
+    grad: torch.Tensor  # written by ``commit``
+    rank: int
+    m: torch.Tensor  # M = grad + e, fp32, (n, m)
+    p: torch.Tensor | None = None  # the orthonormal P, (n, r), once ``q_factors`` has run
 
 
 @dataclass
@@ -209,41 +210,37 @@ class PowerSGD:
         Skipping happens when any gradient on any rank of ``skip_group`` is non-finite; every rank gets the same
         answer, and then no gradient, error buffer or Q is touched. Every replica in ``group`` must pass the
         same names and shapes in the same order. ``finite``: that answer, when the caller has already agreed on
-        it over ``skip_group`` (:func:`finite_per_tensor` of these gradients, combined by MAX of the non-finite
-        flags); None agrees here, with a collective of its own.
+        it over ``skip_group`` (:func:`~dalle_lightning_plugins.step_flags.agree_step_flags`); None agrees here,
+        with a collective of its own.
         """
         named = list(named_grads)
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError(f"reduce() got duplicate gradient names: {sorted({n for n in names if names.count(n) > 1})}")
-        if not (self._all_finite([g for _, g in named]) if finite is None else finite):
-            self.stats.record_skip()
+        if finite is None:
+            finite = agree_step_flags([g for _, g in named], group=self.skip_group).finite
+        if not finite:
+            self.count_skip()
             return False
-        self.stats.steps += 1
-
         if self.replicas == 1:
             # Nobody to average with (one node): the gradients are already exact; compressing them would only
             # add approximation error, and no byte crosses a node.
-            self.stats._record(0, 0)
-            self._step += 1
+            self.count_step(0, 0)
             return True
-        uncompressed_bytes = sum(g.numel() for _, g in named) * FP32_BYTES
-        plain = self._step < self.start_step
         listed = set(uncompressed)
         dense: list[torch.Tensor] = []
-        low_rank: list[tuple[str, torch.Tensor, int]] = []
+        low_rank: list[LowRank] = []
         for name, g in named:
-            r = 0 if plain or name in listed else plan_rank(g.shape, self.rank, self.min_compression)
+            r = self.rank_for(name, g.shape, listed)
             if r:
-                low_rank.append((name, g, r))
+                low_rank.append(self.form(name, g, r, staged=False))
             else:
                 dense.append(g)
         if self.dense_with_p and low_rank and self.comm_dtype == torch.float32:
             sent = self._reduce_low_rank(low_rank, riders=dense)  # one collective fewer
         else:
             sent = self._reduce_dense(dense) + self._reduce_low_rank(low_rank)
-        self.stats._record(sent, uncompressed_bytes)
-        self._step += 1
+        self.count_step(sent, sum(g.numel() for _, g in named) * FP32_BYTES)
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -267,31 +264,96 @@ class PowerSGD:
         self._error = {k: v.detach().clone().float() for k, v in state["error"].items()}
         self.stats = PowerSGDStats(**state["stats"])
 
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ the stages of one matrix
+    #
+    # Every path that averages with PowerSGD (``reduce`` below, the overlapped exchange in exchange.py) runs the
+    # same four stages per compressed matrix, with its own collectives in between:
+    #   form -> p_factor -> [all-reduce P^T] -> q_factors -> [all-reduce Q'^T] -> commit
+    # The factors are computed transposed, P^T = Q^T M^T and Q'^T = P^T M: the same numbers, but a product with
+    # r rows runs 4-6x faster on CPU BLAS (MKL) than one with r columns (M Q).
 
-    def _all_finite(self, grads: list[torch.Tensor]) -> bool:
-        device = grads[0].device if grads else torch.device("cpu")
-        local = finite_per_tensor(grads).all() if grads else torch.tensor(True)
-        flag = (~local).to(device=device, dtype=torch.float32).reshape(1)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.skip_group)
-        return bool(flag.item() == 0)
+    def rank_for(self, name: str, shape: Sequence[int], uncompressed: Collection[str] = ()) -> int:
+        """This step's rank for gradient ``name`` (0: averaged uncompressed): plain all-reduces during the
+        first ``start_step`` successful steps, and for names listed ``uncompressed``."""
+        if self._step < self.start_step or name in uncompressed:
+            return 0
+        return plan_rank(shape, self.rank, self.min_compression)
+
+    def form(self, name: str, g: torch.Tensor, r: int, *, staged: bool) -> LowRank:
+        """Stage 1: M = g + e (fp32, (n, prod(rest))). ``staged``: in a new tensor, the error buffer untouched
+        until :meth:`commit` (for a caller that decides the skip later); else in the error buffer itself."""
+        g2 = g.reshape(g.shape[0], -1)
+        if not self.error_feedback:
+            m = g2.float()
+        elif staged:
+            m = self._error_buffer(name, g2.shape, g.device).add(g2)
+        else:
+            m = self._error_buffer(name, g2.shape, g.device).add_(g2)
+        return LowRank(name, g, r, m)
+
+    def p_factor(self, item: LowRank) -> torch.Tensor:
+        """Stage 2: this replica's P^T = Q^T M^T, (r, n), to be averaged over the replicas."""
+        return self._fixed_q(item.name, item.m.shape[1], item.rank, item.m.device).T @ item.m.T
+
+    def q_factors(self, items: Sequence[LowRank], mean_pts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Stage 3: orthogonalise each averaged P (one batched Householder QR per shape, kept on the item) and
+        return this replica's Q'^T = P^T M, (r, m) each, to be averaged over the replicas."""
+        ps = orthogonalize_all([pt.view(item.rank, item.m.shape[0]).T for item, pt in zip(items, mean_pts)], self.eps)
+        for item, p in zip(items, ps):
+            item.p = p
+        return [p.T @ item.m for item, p in zip(items, ps)]
+
+    @torch.no_grad()
+    def commit(self, item: LowRank, mean_qt: torch.Tensor) -> None:
+        """Stage 4: gradient <- P Q'^T; error <- M - P Q'^T (zeroed once contaminated: the paper's rule, without a
+        host synchronisation); with ``warm_start``, Q <- Q'. Only for a step that is taken."""
+        assert item.p is not None, "commit() before q_factors()"
+        m, g = item.m, item.grad
+        qt = mean_qt.view(item.rank, m.shape[1])
+        if g.is_contiguous() and g.dtype == torch.float32:
+            approx = torch.mm(item.p, qt, out=g.view(m.shape))  # straight into the gradient, no temporary
+        else:
+            approx = item.p @ qt
+            g.copy_(approx.view(g.shape))
+        if self.error_feedback:
+            m.sub_(approx)
+            m.masked_fill_(~finite_per_tensor([m])[0], 0.0)
+            self._error[item.name] = m  # the buffer itself unless staged
+        if self.warm_start:
+            self._q[item.name] = qt.T.clone()
+
+    def count_step(self, sent: int, uncompressed: int) -> None:
+        """A taken step: ``sent`` bytes this rank contributed, ``uncompressed`` those of a plain fp32 average."""
+        self.stats.steps += 1
+        self.stats._record(sent, uncompressed)
+        self._step += 1
+
+    def count_skip(self) -> None:
+        """A step skipped for a non-finite gradient (nothing sent, nothing committed)."""
+        self.stats.record_skip()
+
+    # ------------------------------------------------------------------ the wire
+
+    def to_wire(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer to sum over the replicas so that :meth:`from_wire` gives the mean: fp32 as is; a 16-bit wire
+        divided by the replicas first and clamped, so the sum cannot overflow the format."""
+        if dtype == torch.float32:
+            return flat
+        return to_comm(flat / self.replicas, dtype, summands=self.replicas)
+
+    def from_wire(self, summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 mean from a buffer :meth:`to_wire` made and the replicas summed."""
+        return summed.div_(self.replicas) if dtype == torch.float32 else from_comm(summed)
 
     def _mean_all_reduce(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Mean of fp32 ``flat`` over ``group``, sent as ``dtype``. Low-precision buffers are divided by the
-        world size before the sum and clamped to max/world, so that the sum cannot overflow the format."""
-        world = self.replicas
-        if dtype == torch.float32:
-            if world > 1 and dist.is_initialized():
-                dist.all_reduce(flat, group=self.group)
-                flat.div_(world)
+        """Mean of fp32 ``flat`` over ``group``, sent as ``dtype``."""
+        if self.replicas == 1:
             return flat
-        wire = to_comm(flat / world, dtype, summands=world)
-        if world > 1 and dist.is_initialized():
-            dist.all_reduce(wire, group=self.group)
-        return from_comm(wire)
+        wire = self.to_wire(flat, dtype)
+        dist.all_reduce(wire, group=self.group)
+        return self.from_wire(wire, dtype)
 
-    # ------------------------------------------------------------------ the two paths
+    # ------------------------------------------------------------------ the end-of-backward path
 
     def _reduce_dense(self, grads: list[torch.Tensor]) -> int:
         """One flat fp32 all-reduce for every uncompressed gradient; returns the bytes sent."""
@@ -303,81 +365,28 @@ class PowerSGD:
             g.copy_(chunk.view(g.shape))
         return numel * FP32_BYTES
 
-    def _reduce_low_rank(self, items: list[tuple[str, torch.Tensor, int]], riders: Sequence[torch.Tensor] = ()) -> int:
-        """PowerSGD for every compressed gradient, with one grouped all-reduce for P and one for Q'; returns the
-        bytes sent. ``riders``: uncompressed gradients averaged in P's all-reduce (fp32 wire only).
-
-        The factors are computed transposed, P^T = Q^T M^T and Q'^T = P^T M: the same numbers, but a product
-        with r rows runs 4-6x faster on CPU BLAS (MKL) than one with r columns (M Q).
-        """
+    def _reduce_low_rank(self, items: list[LowRank], riders: Sequence[torch.Tensor] = ()) -> int:
+        """The stages for every compressed gradient, with one grouped all-reduce for P and one for Q'; returns the
+        bytes sent. ``riders``: uncompressed gradients averaged in P's all-reduce (fp32 wire only)."""
         if not items:
             return 0
-        mats: list[torch.Tensor] = []  # M = grad + e, fp32, (n, m); the error buffer itself when it exists
-        qts: list[torch.Tensor] = []  # Q^T, (r, m)
-        for name, g, r in items:
-            g2 = g.reshape(g.shape[0], -1)
-            if self.error_feedback:
-                m = self._error_buffer(name, g2.shape, g.device)
-                m.add_(g2)  # the buffer now holds M; it becomes M - approx below
-            else:
-                m = g2.float()
-            mats.append(m)
-            qts.append(self._fixed_q(name, m.shape[1], r, g.device).T.contiguous())
-
-        first = self._grouped_mean([g.reshape(-1).float() for g in riders] + [qt @ m.T for m, qt in zip(mats, qts)])
+        first = self._grouped_mean([g.reshape(-1).float() for g in riders] + [self.p_factor(i) for i in items])
         for g, mean in zip(riders, first):
             g.copy_(mean.view(g.shape))
-        pts = first[len(riders):]
-        ps = orthogonalize_all([pt.T for pt in pts], self.eps)
-        new_qts = self._grouped_mean([p.T @ m for m, p in zip(mats, ps)])
-
-        for (name, g, _), m, p, qt in zip(items, mats, ps, new_qts):
-            if g.is_contiguous() and g.dtype == torch.float32:
-                approx = torch.mm(p, qt, out=g.view(m.shape))  # straight into the gradient, no temporary
-            else:
-                approx = p @ qt
-                g.copy_(approx.view(g.shape))
-            if self.error_feedback:
-                m.sub_(approx)
-            if self.warm_start:
-                self._q[name] = qt.T.clone()
-        if self.error_feedback:
-            # The paper's rule: zero a buffer only once it is contaminated. Every buffer's flag is read back in
-            # one host sync for the whole step, not one per buffer.
-            contaminated = finite_per_tensor(mats).logical_not().tolist()
-            for m, bad in zip(mats, contaminated):
-                if bad:
-                    m.zero_()
-        n_factor = sum(p.numel() for p in ps) + sum(q.numel() for q in new_qts)
+        qts = self._grouped_mean(self.q_factors(items, first[len(riders):]))
+        for item, qt in zip(items, qts):
+            self.commit(item, qt)
+        n_factor = sum(t.numel() for t in first[len(riders):]) + sum(q.numel() for q in qts)
         return n_factor * torch.finfo(self.comm_dtype).bits // 8 + sum(g.numel() for g in riders) * FP32_BYTES
 
     def _grouped_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         flat = self._mean_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), self.comm_dtype)
         return [c.view(t.shape) for t, c in zip(tensors, flat.split([t.numel() for t in tensors]))]
 
-    # ------------------------------------------------------------------ buffers
-
-    def plan(self, shape: Sequence[int]) -> int:
-        """This compressor's rank for a gradient of ``shape`` (0: sent uncompressed); see :func:`plan_rank`."""
-        return plan_rank(shape, self.rank, self.min_compression)
-
-    def fixed_q(self, name: str, cols: int, r: int, device: torch.device) -> torch.Tensor:
-        """The Q of ``name`` (m x r): the fixed Gaussian, or last step's Q' with ``warm_start``."""
-        return self._fixed_q(name, cols, r, device)
-
-    def error_buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """The fp32 error buffer of ``name`` (zeros the first time)."""
-        return self._error_buffer(name, shape, device)
-
-    def set_error_buffer(self, name: str, value: torch.Tensor) -> None:
-        """Commit a staged error buffer (an exchange that computed ``M - P Q'^T`` apart from the buffer)."""
-        self._error[name] = value
-
-    def set_q(self, name: str, value: torch.Tensor) -> None:
-        """Commit a staged Q (``warm_start``)."""
-        self._q[name] = value
+    # ------------------------------------------------------------------ state
 
     def _fixed_q(self, name: str, cols: int, r: int, device: torch.device) -> torch.Tensor:
+        """The Q of ``name`` (m x r): the fixed Gaussian, or last step's Q' with ``warm_start``."""
         if name not in self._q:
             self._q[name] = _fixed_gaussian(name, self.seed, cols, r)
         q = self._q[name]
@@ -388,6 +397,7 @@ class PowerSGD:
         return q
 
     def _error_buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """The fp32 error buffer of ``name`` (zeros the first time)."""
         if name not in self._error:
             self._error[name] = torch.zeros(shape, dtype=torch.float32, device=device)
         buf = self._error[name]

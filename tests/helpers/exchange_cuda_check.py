@@ -23,7 +23,7 @@ def run(rank, world, path, out):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     from dalle_lightning_plugins.exchange import OverlappedExchange
     from dalle_lightning_plugins.powersgd import PowerSGD
-    from dalle_lightning_plugins.sharded_powersgd import embedding_param_names
+    from dalle_lightning_plugins.inter_node import embedding_param_names
     results = {}
     for overlap in (True, False):
         m = model()
