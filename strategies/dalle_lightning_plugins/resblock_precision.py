@@ -3,8 +3,8 @@
 Why not one global loss scale: activation gradients shrink from later to earlier resblocks, so one scale that
 keeps the largest block from overflowing fp16 lets the smallest ones underflow to zero. Here every resblock
 (residual branch) computes in 16-bit with its own scale, applied at the branch's boundaries
-(``strategies/grad_filter.py``), while the identity path, embeddings, gains outside the branches and the output
-layer stay fp32. The scales follow the paper's rules (``strategies/scale_rules.py``).
+(:mod:`dalle_lightning_plugins.grad_filter`), while the identity path, embeddings, gains outside the branches and
+the output layer stay fp32. The scales follow the paper's rules (:mod:`dalle_lightning_plugins.scale_rules`).
 
 Lifecycle inside a Lightning step:
 
@@ -50,7 +50,7 @@ class ResblockScalingPrecision(Precision):
     Args:
         dtype: "fp16" or "bf16" (or the torch dtype), the compute dtype inside residual branches.
         block_classes / block_patterns: which modules are resblocks (classes or dotted paths; fnmatch patterns on
-            qualified names). Default: the model's ``resblocks()`` (see ``strategies/protocol.py``).
+            qualified names). Default: the model's ``resblocks()`` (see :mod:`dalle_lightning_plugins.protocol`).
         replicas: ``M``; default derived from how the strategy reduces gradients: 1 where it averages them
             (every Lightning strategy), its world size where it declares ``gradient_reduction = "sum"``.
         init_scale_log2, growth_factor, backoff_factor, cooldown, min_scale_log2, max_scale_log2: the paper's

@@ -5,24 +5,26 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
 * a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`dalle_lightning_plugins.mesh`);
 * every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
   remaining parameters form the root unit; the next blocks are prefetched explicitly
-  (:mod:`dalle_lightning_plugins.prefetch`);
+  (:mod:`dalle_lightning_plugins.fsdp_wiring`, :mod:`dalle_lightning_plugins.prefetch`);
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
-  gradient with its replicas on the other nodes through :class:`dalle_lightning_plugins.powersgd.PowerSGD` (not
-  FSDP's HSDP all-reduce, which cannot be compressed), during the backward where it can
-  (:mod:`dalle_lightning_plugins.inter_node` decides when, :mod:`dalle_lightning_plugins.exchange` overlaps). If PowerSGD reports a non-finite gradient anywhere, every rank skips
-  the optimizer step. A precision plugin that offers ``unscale_and_flag(optimizer) -> bool`` and
-  ``mark_nonfinite()`` (:class:`dalle_lightning_plugins.resblock_precision.ResblockScalingPrecision`) unscales the gradients
+  gradient with its replicas on the other nodes through :class:`~dalle_lightning_plugins.powersgd.PowerSGD`
+  (not FSDP's HSDP all-reduce, which cannot be compressed), during the backward where it can:
+  :mod:`dalle_lightning_plugins.inter_node` decides when, :mod:`dalle_lightning_plugins.exchange` overlaps.
+  A non-finite gradient anywhere skips the optimizer step on every rank. A precision plugin that offers
+  ``unscale_and_flag(optimizer) -> bool`` and ``mark_nonfinite()``
+  (:class:`~dalle_lightning_plugins.resblock_precision.ResblockScalingPrecision`) unscales the gradients
   before PowerSGD and owns the skip decision;
 * checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
-  sharded DCP directories (``"sharded"``, :mod:`dalle_lightning_plugins.dcp_checkpoint`), holding the model, the optimizer and
-  each rank's PowerSGD state and buffers, so a resumed run continues exactly; either form, or a ``ddp`` file,
-  resumes a run;
+  sharded DCP directories (``"sharded"``), holding the model, the optimizer and each rank's PowerSGD state and
+  buffers, so a resumed run continues exactly (:mod:`dalle_lightning_plugins.strategy_checkpoints`);
 * a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
   ``docs/plugins.md``), or the strategy says in one line what it cannot do.
 
+This module is Lightning's hook order: environment, setup, backward, optimizer step, teardown.
+
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
-(after ``import dalle_lightning_plugins``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Simulating two nodes
-on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
+(after ``import dalle_lightning_plugins``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Two
+nodes on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.init import _materialize_distributed_module, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
@@ -49,7 +50,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dalle_lightning_plugins import fsdp_wiring
-from dalle_lightning_plugins.checkpoint_io import AtomicCheckpointIO
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
 from dalle_lightning_plugins.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot
@@ -181,22 +181,6 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
     @property
     def _exchange(self) -> OverlappedExchange | None:
         return self.inter_node.exchange
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Unless one is given (``plugins=[...]``), checkpoint files are written by :class:`AtomicCheckpointIO`: a
-        temporary file beside the target, renamed over it, so an interrupted or failed save never leaves a
-        truncated ``last.ckpt`` for a resumed run to pick (Lightning's default writes in place)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif getattr(self._checkpoint_io, "checkpoint_io", False) is None:  # a wrapper (AsyncCheckpointIO) of nothing yet
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # type: ignore[attr-defined]
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ environment and mesh
 

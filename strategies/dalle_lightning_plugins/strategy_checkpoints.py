@@ -1,13 +1,13 @@
-"""The checkpoints of :class:`~dalle_lightning_plugins.sharded_powersgd.ShardedPowerSGDStrategy`: one file as ``ddp`` writes it, or
-sharded DCP directories, with each rank's PowerSGD state and buffers, so a resumed run continues exactly.
+"""The checkpoints of :class:`~dalle_lightning_plugins.sharded_powersgd.ShardedPowerSGDStrategy`: one file as
+``ddp`` writes it, or sharded DCP directories, with each rank's PowerSGD state and buffers, so a resumed run continues exactly.
 
 A mixin of the strategy (it uses the strategy's mesh, compressor and checkpoint IO): kept apart so that the
 strategy's module holds the Lightning glue of the step, and this one what goes to and comes from disk.
 
-* ``"full"``: the model and optimizers gathered whole on rank 0 (``strategies/full_checkpoint.py``), plus each
-  rank's PowerSGD state and buffers in lists by rank; ``load_from_checkpoint`` reads it.
+* ``"full"``: the model and optimizers gathered whole on rank 0 (:mod:`dalle_lightning_plugins.full_checkpoint`),
+  plus each rank's PowerSGD state and buffers in lists by rank; ``load_from_checkpoint`` reads it.
 * ``"sharded"``: ``torch.distributed.checkpoint`` directories, every rank its own shards
-  (``strategies/dcp_checkpoint.py``).
+  (:mod:`dalle_lightning_plugins.dcp_checkpoint`).
 * Either form, or a ``ddp`` file, resumes a run.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from dalle_lightning_plugins.checkpoint_io import AtomicCheckpointIO
 from dalle_lightning_plugins.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
@@ -56,7 +58,23 @@ class ShardedCheckpointing:
 
     checkpoint_format: str
     powersgd: Any
+    _checkpoint_io: CheckpointIO | None
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Unless one is given (``plugins=[...]``), checkpoint files are written by :class:`AtomicCheckpointIO`: a
+        temporary file beside the target, renamed over it, so an interrupted or failed save never leaves a
+        truncated ``last.ckpt`` for a resumed run to pick (Lightning's default writes in place)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif getattr(self._checkpoint_io, "checkpoint_io", False) is None:  # a wrapper (AsyncCheckpointIO) of nothing yet
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # type: ignore[attr-defined]
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @property
     def _full_checkpoints(self) -> bool:
