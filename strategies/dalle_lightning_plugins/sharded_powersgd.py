@@ -348,17 +348,18 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this on non-final micro-batches: no reduce-scatter and no PowerSGD there."""
+        """Lightning enters this on non-final micro-batches: no reduce-scatter and no exchange between nodes there,
+        at every ``devices_per_node`` (at one, the model is no FSDP unit, and only the exchange is held back)."""
         root = self.model
-        if not isinstance(root, FSDPModule):
-            yield None
-            return
-        root.set_requires_gradient_sync(False)
+        sharded = isinstance(root, FSDPModule)
+        if sharded:
+            root.set_requires_gradient_sync(False)
         self._synchronised_step = False
         try:
             yield None
         finally:
-            root.set_requires_gradient_sync(True)
+            if sharded:
+                root.set_requires_gradient_sync(True)
             self._synchronised_step = True
 
     @override
