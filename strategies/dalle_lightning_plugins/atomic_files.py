@@ -8,12 +8,13 @@ temporary file lives in the target's own directory. A failed write removes its t
 previous file in place.
 
 Everything the project writes goes through :func:`atomic_path` (JSON, text, torch saves, PNGs, tokenizer
-files, checkpoints); the helpers below cover the common kinds.
+files, checkpoints); the helpers below cover the kinds that need only the standard library and torch. Images are
+written by ``dalle_lightning_callbacks.image_files.save_image`` (in ``dalle-lightning``, which requires Pillow) on
+top of :func:`write_bytes`.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import secrets
@@ -100,16 +101,3 @@ def torch_save(obj: Any, path: str | os.PathLike) -> Path:
     with atomic_path(path) as tmp, open(tmp, "wb") as stream:
         torch.save(obj, stream)
     return Path(path)
-
-
-def save_image(image: Any, path: str | os.PathLike, **options: Any) -> Path:
-    """Save a PIL image to ``path`` atomically, in the format its suffix names (``.png``, ``.jpg``, ...)."""
-    from PIL import Image
-
-    path = Path(path)
-    fmt = Image.registered_extensions().get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"cannot tell an image format from {str(path)!r}; expected a suffix such as .png or .jpg")
-    buf = io.BytesIO()
-    image.save(buf, format=fmt, **options)
-    return write_bytes(path, buf.getvalue())

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.powersgd import FP32_BYTES, LowRank, PowerSGD
-from dalle_lightning_plugins.step_flags import agree_step_flags
+from dalle_lightning_plugins.step_flags import RowSparse, agree_step_flags, finite_per_tensor
 
 ROOT_BUCKET = "<root>"  # parameters outside every resblock: sent after the flags (embedding rows need them)
 
@@ -95,7 +96,8 @@ class OverlappedExchange:
     Args:
         powersgd: the compressor whose settings and state (Q, error buffers, counters) this exchange uses; the
             same object serves the end-of-backward path, so a run can switch between both at any step.
-        p_group, q_group: two process groups over the same replicate ranks (see the module docstring).
+        p_group, q_group: two process groups over this rank's replicate group: the ranks holding the same shard
+            on every node (see the module docstring).
         flag_group: the group over which the skip decision and unused gradients are agreed (every rank).
         bucket_cap_mb: consecutive resblocks share a bucket while their parameters fit in this many MiB (0: one
             bucket per resblock). Each bucket costs two collectives, and each collective a wake-up of the
@@ -110,7 +112,8 @@ class OverlappedExchange:
         self.p_group, self.q_group, self.flag_group = p_group, q_group, flag_group
         self.buckets: list[Bucket] = []
         self._uncompressed: set[str] = set()
-        self._row_sparse: list[str] = []  # names of the embedding tables sent by used rows
+        self._row_sparse: dict[str, tuple[int, int, int]] = {}  # table sent by used rows -> (offset, held, rows)
+        self._replicated: list[nn.Parameter] = []  # whole on every rank of a sharded node: averaged over every rank
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._active = False
         self._flights: list[_Flight] = []  # issued this step, in bucket order
@@ -120,12 +123,19 @@ class OverlappedExchange:
     # ------------------------------------------------------------------ set-up
 
     def attach(self, module: nn.Module, block_names: Sequence[str], uncompressed: set[str],
-               row_sparse: set[str]) -> None:
+               row_sparse: set[str], replicated: Sequence[nn.Parameter] = ()) -> None:
         """Bucket ``module``'s trainable parameters by resblock (in backward order, last block first; the root's
-        parameters last) and hook every one: the backward then issues each bucket once it is complete."""
+        parameters last) and hook every one: the backward then issues each bucket once it is complete.
+
+        Sharded parameters (FSDP2 units at several devices per node) are hooked the same way: FSDP2 calls their
+        post-accumulate-grad hooks once it has reduce-scattered the unit's gradients within the node, so each
+        bucket leaves for the other nodes as soon as its unit is averaged over its own. ``replicated``: the
+        parameters FSDP2 left whole, averaged over every rank at the end instead."""
         self.detach()
         self._uncompressed = set(uncompressed)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._replicated = [p for p in replicated if p.requires_grad]
+        whole = {id(p) for p in self._replicated}
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in whole]
         taken: set[int] = set()
         blocks: list[Bucket] = []
         for block in block_names:
@@ -137,7 +147,7 @@ class OverlappedExchange:
         rest = [(n, p) for n, p in named if id(p) not in taken]
         merged: list[Bucket] = []
         for block in blocks[::-1]:  # backward order; consecutive blocks share a bucket up to bucket_cap_mb
-            size = sum(p.numel() * p.element_size() for _, p in block.params)
+            size = sum(local_shard(p).numel() * p.element_size() for _, p in block.params)
             if merged and merged[-1].bytes + size <= self.bucket_cap_mb * 2**20:
                 merged[-1].params += block.params
                 merged[-1].name += "+" + block.name
@@ -146,7 +156,7 @@ class OverlappedExchange:
                 block.bytes = size
                 merged.append(block)
         self.buckets = merged + ([Bucket(ROOT_BUCKET, rest)] if rest else [])
-        self._row_sparse = [n for n, p in rest if n in row_sparse and p.dim() == 2]
+        self._row_sparse = {n: _row_span(p) for n, p in rest if n in row_sparse and p.dim() == 2}
         for index, bucket in enumerate(self.buckets[:-1] if rest else self.buckets):
             for _, p in bucket.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
@@ -212,8 +222,14 @@ class OverlappedExchange:
         named = [(n, p) for bucket in self.buckets for n, p in bucket.params]
         if dist.is_initialized():
             self.waiting_on = "the flag all-reduce (non-finite gradients, unused parameters, embedding rows)"
-        flags = agree_step_flags([p.grad for _, p in named if p.grad is not None], whole=[p for _, p in named],
-                                 row_sparse=[(n, p) for n, p in named if n in self._row_sparse], group=self.flag_group)
+        grads = [local_shard(p.grad) for p in [*(p for _, p in named), *self._replicated] if p.grad is not None]
+        whole = [p for _, p in named if not hasattr(p, "to_local")] + self._replicated
+        rows = [RowSparse(n, None if p.grad is None else local_shard(p.grad), *self._row_sparse[n])
+                for n, p in named if n in self._row_sparse]
+        flags = agree_step_flags(grads, whole=whole, row_sparse=rows, group=self.flag_group)
+        if flags.finite and self._replicated:
+            self.waiting_on = "the all-reduce of the parameters left whole"
+            flags.finite = average_whole(self._replicated)
         for bucket in self.buckets[len(self._flights):]:
             if flags.finite or bucket.name != ROOT_BUCKET:  # a skipped step still matches the others' collectives
                 self._issue(bucket, flags.rows, skip_unused=True)
@@ -243,11 +259,14 @@ class OverlappedExchange:
                 if skip_unused:
                     continue  # no rank used it: left alone, as under ddp
                 raise RuntimeError(f"bucket {bucket.name} issued without a gradient for {name}")
-            r = ps.rank_for(name, p.grad.shape, self._uncompressed)
+            g = local_shard(p.grad)
+            if not g.numel():
+                continue  # an empty shard (fewer rows than devices): nothing to send
+            r = ps.rank_for(name, g.shape, self._uncompressed)
             if r:
-                low.append(ps.form(name, p.grad, r, staged=True))
+                low.append(ps.form(name, g, r, staged=True))
             else:
-                dense.append((name, p.grad, rows.get(name)))
+                dense.append((name, g, rows.get(name)))
         flight = _Flight(bucket.name, dense, low)
         dense_parts = [(g if idx is None else g.index_select(0, idx.to(g.device))).reshape(-1).float()
                        for _, g, idx in dense]
@@ -328,3 +347,30 @@ class OverlappedExchange:
         qflat = ps.from_wire(flight.q_buf, ps.comm_dtype)
         for item, qt in zip(flight.low, qflat.split([item.rank * item.m.shape[1] for item in flight.low])):
             ps.commit(item, qt)
+
+
+def _row_span(p: nn.Parameter) -> tuple[int, int, int]:
+    """(first row, rows held, rows of the whole table) of this rank's part of an embedding table: FSDP2 shards
+    dim 0 in chunks of ceil(rows / devices); a whole table starts at 0."""
+    rows = int(p.shape[0])
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return 0, rows, rows
+    return min(mesh.get_local_rank() * -(-rows // mesh.size()), rows), int(local_shard(p).shape[0]), rows
+
+
+@torch.no_grad()
+def average_whole(params: Sequence[nn.Parameter]) -> bool:
+    """Average the gradients of parameters every rank holds whole over every rank (one all-reduce); False if
+    one is non-finite (the same answer on every rank, as the values are then equal)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(flat)
+        flat.div_(world)
+    for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(chunk.view(g.shape))
+    return bool(finite_per_tensor([flat]).all())

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
+from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange, average_whole
 from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.powersgd import PowerSGD, rank_for_compression
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision
-from dalle_lightning_plugins.step_flags import agree_step_flags, finite_per_tensor
+from dalle_lightning_plugins.step_flags import agree_step_flags
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -42,22 +42,25 @@ class ExchangePath(enum.Enum):
 
 
 def exchange_path(*, synchronised: bool, world_size: int, automatic_optimization: bool, precision: Any,
-                  can_overlap: bool) -> ExchangePath:
+                  can_overlap: bool, every_unit_ran: bool = True) -> ExchangePath:
     """The one decision of when this backward's exchange runs.
 
     Only the last micro-batch of an automatic step exchanges (``block_backward_sync`` marks the others
     unsynchronised). Under manual optimisation the step may follow several backwards, and PowerSGD must compress
     their sum once: in the optimizer step. Under a loss-scaling precision (Lightning's ``GradScaler``, or an
     :class:`UnscalingPrecision` with per-block scales) the gradients must be unscaled before compression, which
-    Lightning does only in the step; the overlapped exchange (``can_overlap``: one device per node, several
-    nodes) instead has a :class:`GroupUnscalingPrecision` unscale each bucket as it is sent. A single process
-    still runs the (local) reduction in the step, for its skip decision and counters.
+    Lightning does only in the step; the overlapped exchange (``can_overlap``: several nodes, ``overlap`` on)
+    instead has a :class:`GroupUnscalingPrecision` unscale each bucket as it is sent. A step in which some FSDP
+    unit ran on no rank of a node (``every_unit_ran`` false) leaves that unit's gradients alone, which only the
+    end-of-backward path knows to do. A single process still runs the (local) reduction in the step, for its
+    skip decision and counters.
     """
     if not synchronised:
         return ExchangePath.NOT_THIS_BACKWARD
     if world_size == 1 or not automatic_optimization or getattr(precision, "scaler", None) is not None:
         return ExchangePath.IN_OPTIMIZER_STEP
-    if can_overlap and (not isinstance(precision, UnscalingPrecision) or isinstance(precision, GroupUnscalingPrecision)):
+    group_unscaled = not isinstance(precision, UnscalingPrecision) or isinstance(precision, GroupUnscalingPrecision)
+    if can_overlap and every_unit_ran and group_unscaled:
         return ExchangePath.OVERLAPPED
     if isinstance(precision, UnscalingPrecision):
         return ExchangePath.IN_OPTIMIZER_STEP
@@ -107,11 +110,18 @@ class InterNodeReduction:
         self.timeout = timeout
         self.powersgd = PowerSGD(mesh["replicate"].get_group(), dense_with_p=True, **self.powersgd_kwargs)
         self.exchange = None
-        if self.overlap and self.per_node == 1 and world_size > 1:
-            # Two more groups over the same ranks: P's and Q''s are issued at different moments on each rank, so
-            # each kind needs a group of its own to keep the order of issue equal everywhere (exchange.py).
-            groups = [dist.new_group(list(range(world_size)), timeout=timeout, backend=backend) for _ in range(2)]
-            self.exchange = OverlappedExchange(self.powersgd, *groups, bucket_cap_mb=self.bucket_cap_mb)
+        nodes = world_size // self.per_node
+        if self.overlap and nodes > 1:
+            # Two more groups over this rank's replicate ranks: P's and Q''s are issued at different moments on
+            # each rank, so each kind needs a group of its own to keep the order of issue equal everywhere
+            # (exchange.py). Every rank creates every group (torch's rule), in the same order, and keeps its own.
+            mine: list[dist.ProcessGroup] = []
+            for shard in range(self.per_node):
+                ranks = [node * self.per_node + shard for node in range(nodes)]
+                groups = [dist.new_group(ranks, timeout=timeout, backend=backend) for _ in range(2)]
+                if global_rank in ranks:
+                    mine = groups
+            self.exchange = OverlappedExchange(self.powersgd, *mine, bucket_cap_mb=self.bucket_cap_mb)
         self._time = [0.0, 0]  # timed per fit, like the compressor's own counters
 
     def attach(self, module: nn.Module, block_names: Sequence[str], replicated: list[nn.Parameter]) -> None:
@@ -126,7 +136,7 @@ class InterNodeReduction:
                       if p.requires_grad and n not in self.uncompressed]
             self.powersgd.rank = rank_for_compression(shapes, self.compression, self.powersgd.min_compression)
         if self.exchange is not None:
-            self.exchange.attach(module, block_names, self.uncompressed, embeddings)
+            self.exchange.attach(module, block_names, self.uncompressed, embeddings, replicated)
 
     def detach(self) -> None:
         if self.exchange is not None:
@@ -158,28 +168,13 @@ class InterNodeReduction:
         params = list(module.parameters())
         flags = agree_step_flags([local_shard(p.grad) for p in params if p.grad is not None],
                                  whole=[p for p in params if p.requires_grad and not hasattr(p, "to_local")], device=device)
-        finite = flags.finite and self._average_replicated()
+        finite = flags.finite and average_whole(self.replicated)
         replicated = {id(p) for p in self.replicated}
         named = [(name, local_shard(p.grad)) for name, p in module.named_parameters()
                  if p.grad is not None and id(p) not in replicated]
         # The skip decision was agreed above over every rank, which is PowerSGD's skip group (WORLD).
         return self.powersgd.reduce([(n, g) for n, g in named if g.numel()], uncompressed=self.uncompressed,
                                     finite=finite)
-
-    @torch.no_grad()
-    def _average_replicated(self) -> bool:
-        """Average the gradients of the parameters FSDP2 left whole over every rank (one small all-reduce);
-        False if one is non-finite (the same answer on every rank, as the values are then equal)."""
-        grads = [p.grad for p in self.replicated if p.grad is not None]
-        if not grads:
-            return True
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        if self.world_size > 1:
-            dist.all_reduce(flat)
-            flat.div_(self.world_size)
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view(g.shape))
-        return bool(finite_per_tensor([flat]).all())
 
     def failure(self, error: BaseException, seconds: float) -> str:
         """One line for a failed exchange between nodes: which collective, with which nodes, after how long."""

@@ -285,25 +285,26 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
 
     # ------------------------------------------------------------------ the step
 
-    def _exchange_path(self) -> ExchangePath:
+    def _exchange_path(self, every_unit_ran: bool) -> ExchangePath:
         """When this backward's gradients cross between nodes (:func:`~dalle_lightning_plugins.inter_node.exchange_path`)."""
         module = self.lightning_module
         return exchange_path(synchronised=self._synchronised_step, world_size=self.world_size,
                              automatic_optimization=module is not None and module.automatic_optimization,
-                             precision=self.precision_plugin, can_overlap=self._exchange is not None)
+                             precision=self.precision_plugin, can_overlap=self._exchange is not None,
+                             every_unit_ran=every_unit_ran)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning's ``Strategy.backward``, with the inter-node average between the backward and
         # ``on_after_backward`` (the precision plugin's ``post_backward``), so that hook sees averaged gradients as
         # under ``ddp``.
-        untouched = self._before_backward(closure_loss)
+        idle, untouched = self._before_backward(closure_loss)
         self._backward_start = time.perf_counter()
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        path = self._exchange_path()
+        path = self._exchange_path(every_unit_ran=not idle)
         if self._exchange is not None:
             precision = self.precision_plugin
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
@@ -320,11 +321,11 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _before_backward(self, closure_loss: torch.Tensor) -> list[nn.Parameter]:
-        """Checks and hooks a node of several devices needs before its backward; returns the parameters whose
-        gradients must stay as they were (those of units no rank ran)."""
+    def _before_backward(self, closure_loss: torch.Tensor) -> tuple[list[str], list[nn.Parameter]]:
+        """Checks and hooks a node of several devices needs before its backward; returns the units no rank ran
+        and the parameters whose gradients must stay as they were (theirs, where they had none)."""
         if self.device_mesh["shard"].size() == 1:
-            return []
+            return [], []
         assert self._root is not None
         idle = fsdp_wiring.check_units_ran(self._root, self.block_names, self.device_mesh["shard"].get_group(),
                                            self.root_device)
@@ -338,7 +339,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
             self._root.gathered_outside = False
             self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
-        return untouched
+        return idle, untouched
 
     def _take_reduction(self) -> bool:
         """The result of this step's inter-node average: the one the backward ran, or run it now."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,21 @@ def finite_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.mul(0).sum() for t in tensors]).isfinite()
 
 
-def used_rows(p: nn.Parameter) -> torch.Tensor:
+def used_rows(grad: torch.Tensor) -> torch.Tensor:
     """1 for each row of an embedding's gradient holding a non-zero (or non-finite) value, else 0."""
-    if p.grad is None:
-        return torch.zeros(p.shape[0], dtype=torch.uint8, device=p.device)
-    return p.grad.ne(0).any(dim=1).to(torch.uint8)
+    return grad.ne(0).any(dim=1).to(torch.uint8)
+
+
+class RowSparse(NamedTuple):
+    """An embedding table sent by used rows: this rank's (local) gradient, where its rows start in the whole
+    table and how many it holds, and the whole table's rows. Masks travel in the whole table's row numbers, so that ranks holding
+    different row shards (FSDP2 at several devices per node) agree on one buffer."""
+
+    name: str
+    grad: torch.Tensor | None
+    offset: int
+    local_rows: int
+    rows: int
 
 
 @dataclass
@@ -49,7 +60,7 @@ class StepFlags:
 def agree_step_flags(
     grads: Sequence[torch.Tensor],
     whole: Sequence[nn.Parameter] = (),
-    row_sparse: Sequence[tuple[str, nn.Parameter]] = (),
+    row_sparse: Sequence[RowSparse] = (),
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
 ) -> StepFlags:
@@ -60,7 +71,8 @@ def agree_step_flags(
         whole: parameters every rank holds whole: one another rank has a gradient for gets zeros here
             (``ddp(find_unused_parameters=True)``), so every rank passes the same gradients to the collectives;
             one no rank used keeps ``grad=None``, so the optimizer leaves it alone, as under ``ddp``.
-        row_sparse: embedding tables sent by used rows: the union of every rank's used rows comes back.
+        row_sparse: embedding tables sent by used rows: the union of every rank's used rows comes back, in the
+            local gradient's row numbers.
         device: where the flags live (the collective's device); default that of the first gradient.
 
     The flags are read back to the host once: the step's one host synchronisation.
@@ -68,7 +80,12 @@ def agree_step_flags(
     if device is None:
         device = grads[0].device if grads else (whole[0].device if whole else torch.device("cpu"))
     bad = (~finite_per_tensor(grads).all()).reshape(1) if grads else torch.zeros(1, dtype=torch.bool, device=device)
-    masks = [used_rows(p) for _, p in row_sparse]
+    masks = []
+    for table in row_sparse:
+        mask = torch.zeros(table.rows, dtype=torch.uint8, device=device)
+        if table.grad is not None and table.local_rows:
+            mask[table.offset: table.offset + table.local_rows] = used_rows(table.grad)
+        masks.append(mask)
     used = torch.tensor([p.grad is not None for p in whole], dtype=torch.uint8, device=device)
     flags = torch.cat([used, bad.to(device=device, dtype=torch.uint8), *[m.to(device) for m in masks]])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -80,7 +97,8 @@ def agree_step_flags(
             p.grad = torch.zeros_like(p)
     rows: dict[str, torch.Tensor] = {}
     offset = n + 1
-    for (name, _), mask in zip(row_sparse, masks):
-        rows[name] = host[offset: offset + mask.numel()].nonzero().flatten()
-        offset += mask.numel()
+    for table in row_sparse:
+        start = offset + table.offset
+        rows[table.name] = host[start: start + table.local_rows].nonzero().flatten()
+        offset += table.rows
     return StepFlags(finite=not bool(host[n]), rows=rows, row_mask_bytes=MASK_BYTES * sum(m.numel() for m in masks))
