@@ -35,6 +35,8 @@ test: $(VENV)/.installed-test
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
+# Every benchmark script; files starting with _ are helpers they import (_peak.py, _two_hosts.py,
+# _torch_powersgd_hook.py).
 bench: $(VENV)/.installed
 	for f in benchmarks/[!_]*.py; do $(PY) $$f; done
 

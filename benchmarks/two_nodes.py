@@ -8,7 +8,8 @@ demo``'s out_dir). Before the runs of each rate a bulk TCP transfer checks what 
 Methods (``--methods``), each at PowerSGD rank ``--rank`` where it compresses:
 
 - ``ddp``: Lightning's ``ddp``;
-- ``hook``: ``ddp`` with torch's ``powerSGD_hook`` (``callbacks/torch_powersgd.py``: start at update 2, warm start);
+- ``hook``: ``ddp`` with torch's ``powerSGD_hook`` (``benchmarks/_torch_powersgd_hook.py``: start at update 2, warm
+  start; the runs get the repository root on ``PYTHONPATH``, so that its ``_target_`` imports wherever they start);
 - ``strategy``: ``ShardedPowerSGDStrategy`` at ``devices_per_node=1`` (the exchange overlapped with the backward);
 - ``strategy_end``: the same with ``strategy.overlap=false`` (the whole exchange after the backward, as before).
 
@@ -25,7 +26,8 @@ loss after ``--target-step`` updates, and each setting's figure the training sec
 validation loss first reaches it (``null``: not within the run, the cap).
 
 Usage: ``python benchmarks/two_nodes.py [outputs/demo] [--rates 0 1000 200 50] [--runs 3] [--steps 60]``;
-``python benchmarks/two_nodes.py outputs/demo --time-to-loss --rates 0 200 --settings ddp strategy:powersgd_rank=4 ...``.
+``python benchmarks/two_nodes.py outputs/demo --time-to-loss --rates 0 200 --settings ddp
+strategy:powersgd_rank=4 ...``.
 Rate 0 means unshaped. Needs root (namespaces); takes minutes per rate.
 """
 
@@ -51,10 +53,16 @@ two_hosts = importlib.util.module_from_spec(_spec)
 sys.modules["_two_hosts"] = two_hosts
 _spec.loader.exec_module(two_hosts)
 
-TIMER = ["+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer", "+callbacks.step_timer.skip=10"]
-LINK = ["+callbacks.link_bytes._target_=dalle_lightning_callbacks.link_bytes.LinkBytes", "+callbacks.link_bytes.skip=10"]
-BASE = ["stage=prior", "experiment=shapes", "callbacks.fid=null", "callbacks.sample_grid=null", "callbacks.checkpoint=null",
-        "trainer.devices=1", "trainer.num_nodes=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+# torch's PowerSGD hook, a module of this folder: importable as benchmarks.<module> from the repository root, which
+# launch_env() puts on the runs' PYTHONPATH.
+HOOK = "benchmarks._torch_powersgd_hook.TorchPowerSGDHook"
+TIMER = ["+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer",
+         "+callbacks.step_timer.skip=10"]
+LINK = ["+callbacks.link_bytes._target_=dalle_lightning_callbacks.link_bytes.LinkBytes",
+        "+callbacks.link_bytes.skip=10"]
+BASE = ["stage=prior", "experiment=shapes", "callbacks.fid=null", "callbacks.sample_grid=null",
+        "callbacks.checkpoint=null", "trainer.devices=1", "trainer.num_nodes=2", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
         *TIMER, *LINK]
 NO_VAL = ["trainer.limit_val_batches=0"]
 VALIDATE = ["+trainer.val_check_interval=10", "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=4"]
@@ -64,7 +72,7 @@ def method_overrides(method: str, rank: int) -> list[str]:
     if method == "ddp":
         return ["strategy=auto", "strategy.name=ddp"]
     if method == "hook":
-        return ["strategy=auto", "strategy.name=ddp", "+callbacks.torch_powersgd._target_=dalle_lightning_callbacks.torch_powersgd.TorchPowerSGDHook",
+        return ["strategy=auto", "strategy.name=ddp", f"+callbacks.torch_powersgd._target_={HOOK}",
                 f"+callbacks.torch_powersgd.rank={rank}"]
     if method in ("strategy", "strategy_end"):
         return ["strategy=sharded_powersgd", "strategy.devices_per_node=1", "strategy.checkpoint_format=full",
@@ -86,7 +94,16 @@ def setting_overrides(setting: str, rank: int) -> list[str]:
     return overrides
 
 
-def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path, timeout: float = 900) -> dict[str, Any]:
+def launch_env() -> dict[str, str]:
+    """What each run's ``torchrun`` gets besides this process's environment: one thread, unbuffered output, and the
+    repository root first on ``PYTHONPATH``, so that ``benchmarks.<module>`` targets (:data:`HOOK`) import in the
+    workers whatever the current directory."""
+    path = [str(HERE.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path)}
+
+
+def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path,
+        timeout: float = 900) -> dict[str, Any]:
     """One 2-node ``dalle-train`` run; node 0's metrics.json figures and timeline, or the error that ended it."""
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     paths = [f"paths.{key}={work / name}" for key, name in
@@ -94,7 +111,7 @@ def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path,
               ("clip", "clip.pt"))]
     port = 29400 + int.from_bytes(os.urandom(2), "little") % 1000
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = launch_env()
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")}
     agents = []
@@ -148,10 +165,12 @@ def rates_mode(args: argparse.Namespace, hosts: Any, work: Path, scratch: Path) 
             ok = [r for r in results if "error" not in r]
             entry[method] = {
                 "updates_per_s": spread([r["time/updates_per_s"] for r in ok]),
-                "link_bytes_per_update": spread([r["link/tx_bytes_per_update"] for r in ok if "link/tx_bytes_per_update" in r]),
+                "link_bytes_per_update": spread([r["link/tx_bytes_per_update"] for r in ok
+                                                 if "link/tx_bytes_per_update" in r]),
                 "gradient_bytes_per_rank": spread([r["powersgd/inter_node_bytes_per_rank"] for r in ok
                                                    if "powersgd/inter_node_bytes_per_rank" in r]),
-                "exchange_ms_per_step": spread([r["strategy/reduce_ms_per_step"] for r in ok if "strategy/reduce_ms_per_step" in r]),
+                "exchange_ms_per_step": spread([r["strategy/reduce_ms_per_step"] for r in ok
+                                                if "strategy/reduce_ms_per_step" in r]),
                 "failed": [r["error"] for r in results if "error" in r],
             }
         table["unshaped" if not rate else f"{rate}mbit"] = entry
@@ -203,7 +222,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("work_dir", type=Path, nargs="?", default=Path("outputs/demo"),
                         help="the demo's out_dir (world, tokens, tokenizer, dvae); default outputs/demo")
-    parser.add_argument("--rates", type=float, nargs="+", default=[0, 1000, 200, 50], help="Mbit/s each way; 0: unshaped")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0, 1000, 200, 50],
+                        help="Mbit/s each way; 0: unshaped")
     parser.add_argument("--methods", nargs="+", default=["ddp", "hook", "strategy", "strategy_end"])
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank of the hook and the strategy")
     parser.add_argument("--runs", type=int, default=3)
@@ -220,7 +240,8 @@ def main() -> None:
     reason = two_hosts.unavailable()
     if reason:
         raise SystemExit(f"error: {reason}")
-    report: dict[str, Any] = {"work_dir": str(work), "rank": args.rank, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d")}
+    report: dict[str, Any] = {"work_dir": str(work), "rank": args.rank, "cpu": _cpu(),
+                              "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as scratch, two_hosts.TwoHosts() as hosts:
         if args.time_to_loss:
             report.update(ttl_steps=args.ttl_steps, target_step=args.target_step,

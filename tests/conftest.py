@@ -95,26 +95,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-# Import names the project gave up (now dalle_lightning_plugins and dalle_lightning_callbacks). The repository root
-# is on the path when tests run, so the folders strategies/ and callbacks/ would still import under their folder
-# names and give a second copy of every class; tests/test_import_names.py checks the commands in fresh processes.
-OLD_IMPORT_NAMES = ("strategies", "callbacks")
-
-
-def old_modules() -> list[str]:
-    """Modules imported under an old name in this process."""
-    return sorted(m for m in sys.modules if m.split(".")[0] in OLD_IMPORT_NAMES)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def no_old_import_names() -> Iterator[None]:
-    """Nothing the suite ran, in this process, imported ``strategies`` or ``callbacks`` (checked when the
-    session ends: an error at the teardown of the last test names the modules)."""
-    yield
-    assert not old_modules(), f"imported under an old name: {old_modules()}; use dalle_lightning_plugins / " \
-                              "dalle_lightning_callbacks"
-
-
 @pytest.fixture(autouse=True)
 def restore_rank_zero() -> Iterator[None]:
     """A strategy set up in this process (mocked or with a fake environment) sets Lightning's process-wide

@@ -3,8 +3,8 @@
 ``pyproject.toml`` pins ``lightning``, ``torch`` and the rest to the ranges they were tested with; a newer release
 may move or drop a private helper without notice. Then this file fails first, naming the symbol, instead of a
 training run failing halfway with an ``AttributeError`` deep in a strategy hook. Two kinds are found by reading
-every source file of the project (``dalle_lightning/``, ``strategies/``, ``callbacks/``, ``benchmarks/``), so a new
-one is checked without being listed here:
+every source file of the project (``dalle_lightning/``, ``strategies/dalle_lightning_plugins/``,
+``callbacks/dalle_lightning_callbacks/``, ``benchmarks/``), so a new one is checked without being listed here:
 
 * private imports: ``from lightning.fabric.utilities.init import _materialize_meta_tensors``,
   ``from hydra._internal.utils import get_args_parser``;
@@ -31,9 +31,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("dalle_lightning", "strategies", "callbacks", "benchmarks")
+SOURCE_DIRS = ("dalle_lightning", "strategies/dalle_lightning_plugins", "callbacks/dalle_lightning_callbacks",
+               "benchmarks")
 # the project's own packages, and the benchmark scripts' sibling modules (``from _peak import ...``)
-OWN_PACKAGES = {"dalle_lightning", "dalle_lightning_plugins", "tests", "benchmarks"} | {
+OWN_PACKAGES = {"dalle_lightning", "dalle_lightning_plugins", "dalle_lightning_callbacks", "tests", "benchmarks"} | {
     p.stem for p in (ROOT / "benchmarks").glob("*.py")
 }
 
@@ -97,6 +98,7 @@ def _is_module(name: str) -> bool:
 
 
 SOURCES = sorted(p for folder in SOURCE_DIRS for p in (ROOT / folder).rglob("*.py"))
+assert all(any((ROOT / folder).glob("*.py")) for folder in SOURCE_DIRS), "a source folder moved: update SOURCE_DIRS"
 
 
 @pytest.mark.parametrize(("module", "name"), private_imports(SOURCES), ids=lambda v: str(v))
@@ -162,7 +164,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
 def test_private_name_exists(owner: str, name: str) -> None:
     value = _owner(owner)
     for part in name.split("."):
-        assert hasattr(value, part), f"{owner} has no {name} in the installed release; strategies/ relies on it"
+        assert hasattr(value, part), f"{owner} has no {name} in the installed release; the plugins rely on it"
         value = getattr(value, part)
 
 

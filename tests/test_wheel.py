@@ -27,8 +27,12 @@ from tests.helpers.dists import Dist, build_dists
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = (ROOT / "strategies" / "VERSION").read_text().strip()
-# distribution -> its one top-level import name
-TOP_LEVEL = {"dalle-lightning": "dalle_lightning", "dalle-lightning-plugins": "dalle_lightning_plugins"}
+# distribution -> the top-level import names it installs (its package folders: dalle_lightning/,
+# callbacks/dalle_lightning_callbacks/; strategies/dalle_lightning_plugins/)
+TOP_LEVEL = {"dalle-lightning": ["dalle_lightning", "dalle_lightning_callbacks"],
+             "dalle-lightning-plugins": ["dalle_lightning_plugins"]}
+# distribution -> the project names its wheel's .dist-info folder and the sdist's top folder carry
+PROJECT_NAME = {"dalle-lightning": "dalle_lightning", "dalle-lightning-plugins": "dalle_lightning_plugins"}
 
 
 def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -50,26 +54,34 @@ def _metadata(wheel: Path) -> email.message.Message:
 
 
 @pytest.mark.slow
-def test_each_wheel_installs_one_name_of_its_own_and_no_tests(dists: dict[str, Dist]) -> None:
+def test_each_wheel_installs_names_of_its_own_and_no_tests(dists: dict[str, Dist]) -> None:
     for name, dist in dists.items():
+        info = f"{PROJECT_NAME[name]}-{VERSION}.dist-info"
         with zipfile.ZipFile(dist.wheel) as z:
             files = z.namelist()
-            (top_level,) = [n for n in files if n.endswith(".dist-info/top_level.txt")]
-            assert z.read(top_level).decode().split() == [TOP_LEVEL[name]]
-        assert {f.split("/")[0] for f in files} == {TOP_LEVEL[name], f"{TOP_LEVEL[name]}-{VERSION}.dist-info"}
+            assert sorted(z.read(f"{info}/top_level.txt").decode().split()) == TOP_LEVEL[name]
+        assert {f.split("/")[0] for f in files} == {*TOP_LEVEL[name], info}
         assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc") or "/tests/" in f
-                    or "/benchmarks/" in f], name
-        assert f"{TOP_LEVEL[name]}-{VERSION}.dist-info/licenses/LICENSE" in files
+                    or "benchmarks/" in f or f.startswith(("strategies/", "callbacks/"))], name
+        assert f"{info}/licenses/LICENSE" in files
         meta = _metadata(dist.wheel)
         assert (meta["Name"], meta["Version"], meta["License-Expression"]) == (name, VERSION, "MIT")
         assert meta["Requires-Python"] and meta["Summary"] and meta["Description-Content-Type"] == "text/markdown"
     root_files = zipfile.ZipFile(dists["dalle-lightning"].wheel).namelist()
-    assert "dalle_lightning/callbacks/ema.py" in root_files and "dalle_lightning/conf/train.yaml" in root_files
+    assert {"dalle_lightning_callbacks/ema.py", "dalle_lightning_callbacks/image_files.py",
+            "dalle_lightning/conf/train.yaml", "dalle_lightning/conf/strategy/sharded_powersgd.yaml"} <= set(root_files)
+    # the benchmarks' comparison with torch's hook stays beside the benchmarks
+    assert not [f for f in root_files if "torch_powersgd" in f]
     lean_files = zipfile.ZipFile(dists["dalle-lightning-plugins"].wheel).namelist()
-    assert "dalle_lightning_plugins/sharded_powersgd.py" in lean_files
+    assert {"dalle_lightning_plugins/__init__.py", "dalle_lightning_plugins/sharded_powersgd.py",
+            "dalle_lightning_plugins/atomic_files.py"} <= set(lean_files)
+    assert not [f for f in lean_files if f.startswith("dalle_lightning_plugins/") and not f.endswith(".py")]
     with tarfile.open(dists["dalle-lightning-plugins"].sdist) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", "LICENSE", "VERSION", "sharded_powersgd.py"} <= names
+    assert {"pyproject.toml", "README.md", "LICENSE", "VERSION", "dalle_lightning_plugins/sharded_powersgd.py"} <= names
+    with tarfile.open(dists["dalle-lightning"].sdist) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {"callbacks/dalle_lightning_callbacks/ema.py", "conf/train.yaml", "dalle_lightning/demo.py"} <= names
 
 
 @pytest.mark.slow

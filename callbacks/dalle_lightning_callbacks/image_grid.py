@@ -18,9 +18,9 @@ from PIL import Image
 from torchvision.utils import make_grid
 from typing_extensions import override
 
+from dalle_lightning_callbacks.image_files import save_image
 from dalle_lightning_callbacks.log_image import log_image
 from dalle_lightning_callbacks.sharding import full_parameters
-from dalle_lightning_plugins.atomic_files import save_image
 
 
 def _images_of(batch: Any, key: str) -> torch.Tensor:

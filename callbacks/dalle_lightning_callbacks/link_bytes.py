@@ -4,6 +4,9 @@ Reads ``/sys/class/net/<interface>/statistics/tx_bytes`` (headers included, as t
 updates after ``skip`` warm-up ones, validation included only when it runs in that window (benchmarks switch it
 off). The interface defaults to ``GLOO_SOCKET_IFNAME``, the one gloo talks over. Kept as
 ``totals = {"link/tx_bytes_per_update": ...}`` at the end of training (``dalle-train`` adds it to metrics.json).
+
+A tool to diagnose a link between nodes (docs/plugins.md): set against the strategy's own count of gradient bytes, it
+shows what the link carries besides them. ``benchmarks/two_nodes.py`` adds it to every run.
 """
 
 from __future__ import annotations

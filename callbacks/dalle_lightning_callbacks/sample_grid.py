@@ -11,8 +11,8 @@ Protocol: the LightningModule has
 
 The callback generates for the first ``num_images`` validation samples (on every rank: a sharded model needs
 all ranks in its forward), and rank zero writes ``samples_step{N}.png`` into the log directory and logs the grid
-(see :mod:`dalle_lightning_callbacks.log_image`): TensorBoard gets an image event, Weights & Biases an image with a caption,
-and a CSV-only run has the PNG beside its metrics.
+(see :mod:`dalle_lightning_callbacks.log_image`): TensorBoard gets an image event, Weights & Biases an image with a
+caption, and a CSV-only run has the PNG beside its metrics.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing_extensions import override
 
 from dalle_lightning_callbacks.batches import take
 from dalle_lightning_callbacks.captioned_grid import render_captioned_grid
+from dalle_lightning_callbacks.image_files import save_image
 from dalle_lightning_callbacks.log_image import log_image
 from dalle_lightning_callbacks.sharding import full_parameters
-from dalle_lightning_plugins.atomic_files import save_image
 
 
 class SampleGrid(pl.Callback):

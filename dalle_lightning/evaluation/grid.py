@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from dalle_lightning_callbacks.captioned_grid import render_captioned_grid, to_pil
-from dalle_lightning_plugins.atomic_files import save_image as write_image
+from dalle_lightning_callbacks.image_files import save_image as write_image
 
 
 def save_image(image: torch.Tensor, path: str | Path) -> None:

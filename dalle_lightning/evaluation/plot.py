@@ -14,7 +14,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from dalle_lightning_plugins.atomic_files import save_image
+from dalle_lightning_callbacks.image_files import save_image
 
 Point = tuple[float, float]
 COLOURS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
