@@ -1,4 +1,4 @@
-"""The overlapped exchange (``strategies/exchange.py``) against the end-of-backward path it replaces.
+"""The overlapped exchange (``dalle_lightning_plugins.exchange``) against the end-of-backward path it replaces.
 
 2 processes, 2 nodes x 1 device (gloo), the tiny residual model of ``tests/test_strategy_common.py``:
 
@@ -229,12 +229,14 @@ def _scaled(rank: int, world_size: int) -> dict:
                     finish = exchange.finish
                     exchange.finish = lambda: finished.append(True) or finish()
 
-        strategy = ShardedPowerSGDStrategy(devices_per_node=1, powersgd_rank=1, min_compression=0.0, overlap=overlap)
+        strategy = ShardedPowerSGDStrategy(devices_per_node=world_size // 2, powersgd_rank=1, min_compression=0.0,
+                                           overlap=overlap)
         module = PoisonedModule(rank)
-        trainer(strategy, devices=2, max_steps=3, plugins=[plugin], callbacks=[CountFinish()]).fit(
-            module, loader(token_dataset(), rank, world_size=2))
+        trainer(strategy, devices=world_size, max_steps=3, plugins=[plugin], callbacks=[CountFinish()]).fit(
+            module, loader(token_dataset(), rank, world_size=world_size))
         out[overlap] = {
-            "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+            "weights": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                        for n, p in module.named_parameters()},
             "log2": plugin.scales.log2.tolist(), "skipped": plugin.scales.skipped, "finished": len(finished),
             "error_max": max(float(e.abs().max()) for e in strategy.powersgd._error.values()),
         }
@@ -242,12 +244,13 @@ def _scaled(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_per_block_scales_unscale_each_bucket_as_it_is_sent() -> None:
-    """ResblockScalingPrecision at one device per node: the overlapped path runs (each bucket unscaled by the
-    plugin as it is sent), an overflow on rank 0 skips the update and backs off only its block, the error
+@pytest.mark.parametrize("world_size", [2, 4], ids=["2x1", "2x2"])
+def test_per_block_scales_unscale_each_bucket_as_it_is_sent(world_size: int) -> None:
+    """ResblockScalingPrecision at one and two devices per node: the overlapped path runs (each bucket unscaled
+    by the plugin as it is sent), an overflow on rank 0 skips the update and backs off only its block, the error
     buffers hold unscaled values, and the weights match the end-of-backward path."""
     growth = math.log2(2 ** (1 / 1000))
-    for res in run_distributed(_scaled, 2, timeout=180):
+    for res in run_distributed(_scaled, world_size, timeout=240):
         on, off = res[True], res[False]
         assert on["finished"] == 3 and off["finished"] == 0  # every step overlapped, and none without overlap
         for r in (on, off):

@@ -70,3 +70,11 @@ def test_other_backwards(precision: Precision, can_overlap: bool) -> None:
                          can_overlap=can_overlap) is S
     assert exchange_path(synchronised=True, world_size=1, automatic_optimization=True, precision=precision,
                          can_overlap=can_overlap) is S
+
+
+@pytest.mark.parametrize("precision", [Precision(), GroupUnscaling()], ids=lambda p: type(p).__name__)
+def test_a_unit_that_ran_on_no_rank_or_twice_waits_for_the_end_of_the_backward(precision: Precision) -> None:
+    # An idle unit's gradients stay as they were; a unit run twice is reduce-scattered twice by FSDP2.
+    expected = A if type(precision) is Precision else S
+    assert exchange_path(synchronised=True, world_size=4, automatic_optimization=True, precision=precision,
+                         can_overlap=True, every_unit_ran_once=False) is expected

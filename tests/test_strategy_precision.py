@@ -48,7 +48,9 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     module = PoisonedModule(rank)
     initial = {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
     plugin = ResblockScalingPrecision("bf16")
-    strategy = ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=12, min_compression=0.0)
+    # The end-of-backward path, whose PowerSGD.reduce is recorded here; tests/test_exchange_overlap.py compares the
+    # overlapped one with it under the same plugin.
+    strategy = ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=12, min_compression=0.0, overlap=False)
     seen: list[float] = []
 
     def record(reduce: Any, named: Any, **kwargs: Any) -> bool:

@@ -30,11 +30,16 @@ The paper's semantics are kept exactly:
   rank): each rank's used rows ride in the flag all-reduce (MAX), and the union is averaged;
 * the step has one host synchronisation: reading the agreed flags.
 
+At several devices per node every resblock is an FSDP2 unit, and its bucket is ready once FSDP2 has
+reduce-scattered the unit within the node: FSDP2 then calls the sharded parameters' post-accumulate-grad hooks,
+the same hooks autograd calls at one device per node. Each rank exchanges its own shard with the ranks holding
+the same shard on the other nodes; embedding row flags travel in the whole table's row numbers.
+
 Where the overlap cannot apply (manual optimisation, a non-final micro-batch, a loss-scaling precision that
-unscales in the step, several devices per node) the strategy calls :meth:`PowerSGD.reduce` at the end of the
-backward instead (``inter_node.exchange_path`` decides); a bucket that never becomes ready in the backward (a parameter this rank gave no
-gradient) is sent at the end, after the flags, with zeros for the gradients it lacks, as ``ddp`` does with
-``find_unused_parameters``.
+unscales in the step, a unit that ran on no rank or more than once) the strategy calls :meth:`PowerSGD.reduce`
+at the end of the backward instead (:func:`~dalle_lightning_plugins.inter_node.exchange_path` decides); a
+bucket that never becomes ready in the backward (a parameter this rank gave no gradient) is sent at the end,
+after the flags, with zeros for the gradients it lacks, as ``ddp`` does with ``find_unused_parameters``.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class Bucket:
 
     name: str
     params: list[tuple[str, nn.Parameter]]
-    ready: int = 0  # gradients accumulated in this backward
+    ready: set[int] = field(default_factory=set)  # ids of the parameters whose gradient is final in this backward
     bytes: int = 0  # of its parameters
 
 
@@ -168,10 +173,13 @@ class OverlappedExchange:
         self.buckets = []
 
     def _hook(self, index: int):
-        def ready(_: torch.Tensor) -> None:
+        def ready(param: torch.Tensor) -> None:
             if self._active:
                 bucket = self.buckets[index]
-                bucket.ready += 1
+                if id(param) in bucket.ready and index < len(self._flights):
+                    raise RuntimeError(f"a gradient of bucket {bucket.name} changed after the bucket was sent (a "
+                                       "block reduced twice in one backward); use overlap=False for this model")
+                bucket.ready.add(id(param))
                 try:
                     self._issue_ready()
                 except (RuntimeError, dist.DistError) as error:
@@ -189,7 +197,7 @@ class OverlappedExchange:
         self._unscale = unscale
         self.waiting_on = ""
         for bucket in self.buckets:
-            bucket.ready = 0
+            bucket.ready = set()
 
     @property
     def active(self) -> bool:
@@ -200,7 +208,7 @@ class OverlappedExchange:
         last = len(self.buckets) - (self.buckets[-1].name == ROOT_BUCKET)
         while len(self._flights) < last:
             bucket = self.buckets[len(self._flights)]
-            if bucket.ready < len(bucket.params):
+            if len(bucket.ready) < len(bucket.params):
                 break
             self._issue(bucket, rows={})
         self._progress(block=False)
@@ -242,7 +250,7 @@ class OverlappedExchange:
         for flight in flights:
             self._commit(flight)
             sent += flight.sent
-        ps.count_step(sent, sum(p.numel() for _, p in named if p.grad is not None) * FP32_BYTES)
+        ps.count_step(sent, sum(local_shard(p.grad).numel() for _, p in named if p.grad is not None) * FP32_BYTES)
         return True
 
     # ------------------------------------------------------------------ a bucket's two collectives

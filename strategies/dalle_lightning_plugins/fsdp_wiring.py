@@ -39,7 +39,7 @@ class ShardedRoot(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
-        self.units_ran: dict[str, bool] = {}  # block unit -> ran forward since the last check (see the strategy)
+        self.units_ran: dict[str, int] = {}  # block unit -> forwards since the last check (check_units_ran)
         self.gathered_outside = False  # gathered again after a backward resharded it (see gather_root_before_forward)
 
     @override
@@ -136,23 +136,26 @@ def shard_module(
     return root
 
 
-def _mark_ran(ran: dict[str, bool], name: str, *_: Any) -> None:
-    ran[name] = True
+def _mark_ran(ran: dict[str, int], name: str, *_: Any) -> None:
+    ran[name] = ran.get(name, 0) + 1
 
 
 def check_units_ran(root: ShardedRoot, block_names: Sequence[str], group: dist.ProcessGroup,
-                    device: torch.device) -> list[str]:
+                    device: torch.device) -> tuple[list[str], list[str]]:
     """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
 
     A block only some ranks run (layer drop decided per rank) leaves FSDP2's gathers and reduce-scatters
     unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
-    into an error on every rank before the backward's collectives start. Returns the units no rank ran.
+    into an error on every rank before the backward's collectives start. Returns the units no rank ran, and
+    those some rank ran more than once (FSDP2 then reduce-scatters them once per forward, so their gradients
+    are final only at the end of the backward).
     """
-    ran = torch.tensor([root.units_ran.get(n, False) for n in block_names], dtype=torch.float32, device=device)
+    counts = torch.tensor([root.units_ran.get(n, 0) for n in block_names], dtype=torch.float32, device=device)
     root.units_ran.clear()
-    both = torch.stack([ran, -ran])
+    ran = counts.clamp(max=1)
+    both = torch.stack([ran, -ran, counts])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    highs, lows = both[0].tolist(), (-both[1]).tolist()
+    highs, lows, most = both[0].tolist(), (-both[1]).tolist(), both[2].tolist()
     uneven = [n for n, hi, lo in zip(block_names, highs, lows) if hi != lo]
     if uneven:
         raise RuntimeError(
@@ -160,7 +163,7 @@ def check_units_ran(root: ShardedRoot, block_names: Sequence[str], group: dist.P
             f"FSDP unit in every rank's forward at devices_per_node > 1: run it everywhere (scale its output "
             f"by 0 where skipped), or leave it out of the units (block_patterns/block_classes) or use devices_per_node=1"
         )
-    return [n for n, hi in zip(block_names, highs) if not hi]
+    return [n for n, hi in zip(block_names, highs) if not hi], [n for n, k in zip(block_names, most) if k > 1]
 
 
 def replicated_parameters(module: nn.Module, sharded: bool) -> list[nn.Parameter]:

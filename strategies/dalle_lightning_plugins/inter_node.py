@@ -42,7 +42,7 @@ class ExchangePath(enum.Enum):
 
 
 def exchange_path(*, synchronised: bool, world_size: int, automatic_optimization: bool, precision: Any,
-                  can_overlap: bool, every_unit_ran: bool = True) -> ExchangePath:
+                  can_overlap: bool, every_unit_ran_once: bool = True) -> ExchangePath:
     """The one decision of when this backward's exchange runs.
 
     Only the last micro-batch of an automatic step exchanges (``block_backward_sync`` marks the others
@@ -51,8 +51,9 @@ def exchange_path(*, synchronised: bool, world_size: int, automatic_optimization
     :class:`UnscalingPrecision` with per-block scales) the gradients must be unscaled before compression, which
     Lightning does only in the step; the overlapped exchange (``can_overlap``: several nodes, ``overlap`` on)
     instead has a :class:`GroupUnscalingPrecision` unscale each bucket as it is sent. A step in which some FSDP
-    unit ran on no rank of a node (``every_unit_ran`` false) leaves that unit's gradients alone, which only the
-    end-of-backward path knows to do. A single process still runs the (local) reduction in the step, for its
+    unit ran on no rank of a node, or more than once (``every_unit_ran_once`` false), takes the end-of-backward
+    path: an idle unit's gradients are left alone, and a unit run twice is reduce-scattered twice, its gradient
+    final only when the backward ends. A single process still runs the (local) reduction in the step, for its
     skip decision and counters.
     """
     if not synchronised:
@@ -60,7 +61,7 @@ def exchange_path(*, synchronised: bool, world_size: int, automatic_optimization
     if world_size == 1 or not automatic_optimization or getattr(precision, "scaler", None) is not None:
         return ExchangePath.IN_OPTIMIZER_STEP
     group_unscaled = not isinstance(precision, UnscalingPrecision) or isinstance(precision, GroupUnscalingPrecision)
-    if can_overlap and every_unit_ran and group_unscaled:
+    if can_overlap and every_unit_ran_once and group_unscaled:
         return ExchangePath.OVERLAPPED
     if isinstance(precision, UnscalingPrecision):
         return ExchangePath.IN_OPTIMIZER_STEP
@@ -103,10 +104,10 @@ class InterNodeReduction:
         self._time = [0.0, 0]  # seconds in reduce() and its calls (after the first), for the figures
         self.figures: dict[str, float] = {}  # the last fit's, see ShardedPowerSGDStrategy.exchange_figures()
 
-    def setup(self, mesh: DeviceMesh, global_rank: int, world_size: int, backend: str,
+    def setup(self, mesh: DeviceMesh, global_rank: int, world_size: int, per_node: int, backend: str,
               timeout: timedelta | None) -> None:
         """A fresh compressor on the mesh's replicate group; the overlapped exchange's two groups if it applies."""
-        self.global_rank, self.world_size, self.per_node = global_rank, world_size, mesh["shard"].size()
+        self.global_rank, self.world_size, self.per_node = global_rank, world_size, per_node
         self.timeout = timeout
         self.powersgd = PowerSGD(mesh["replicate"].get_group(), dense_with_p=True, **self.powersgd_kwargs)
         self.exchange = None

@@ -207,7 +207,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, backend, self._timeout)
+        self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, per_node, backend, self._timeout)
 
     # ------------------------------------------------------------------ model setup
 
@@ -285,26 +285,26 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
 
     # ------------------------------------------------------------------ the step
 
-    def _exchange_path(self, every_unit_ran: bool) -> ExchangePath:
+    def _exchange_path(self, every_unit_ran_once: bool) -> ExchangePath:
         """When this backward's gradients cross between nodes (:func:`~dalle_lightning_plugins.inter_node.exchange_path`)."""
         module = self.lightning_module
         return exchange_path(synchronised=self._synchronised_step, world_size=self.world_size,
                              automatic_optimization=module is not None and module.automatic_optimization,
                              precision=self.precision_plugin, can_overlap=self._exchange is not None,
-                             every_unit_ran=every_unit_ran)
+                             every_unit_ran_once=every_unit_ran_once)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning's ``Strategy.backward``, with the inter-node average between the backward and
         # ``on_after_backward`` (the precision plugin's ``post_backward``), so that hook sees averaged gradients as
         # under ``ddp``.
-        idle, untouched = self._before_backward(closure_loss)
+        irregular, untouched = self._before_backward(closure_loss)
         self._backward_start = time.perf_counter()
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        path = self._exchange_path(every_unit_ran=not idle)
+        path = self._exchange_path(every_unit_ran_once=not irregular)
         if self._exchange is not None:
             precision = self.precision_plugin
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
@@ -322,12 +322,13 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         return closure_loss
 
     def _before_backward(self, closure_loss: torch.Tensor) -> tuple[list[str], list[nn.Parameter]]:
-        """Checks and hooks a node of several devices needs before its backward; returns the units no rank ran
-        and the parameters whose gradients must stay as they were (theirs, where they had none)."""
+        """Checks and hooks a node of several devices needs before its backward; returns the units that did not
+        run exactly once (none, or several times) and the parameters whose gradients must stay as they were
+        (those of units no rank ran, where they had none)."""
         if self.device_mesh["shard"].size() == 1:
             return [], []
         assert self._root is not None
-        idle = fsdp_wiring.check_units_ran(self._root, self.block_names, self.device_mesh["shard"].get_group(),
+        idle, repeated = fsdp_wiring.check_units_ran(self._root, self.block_names, self.device_mesh["shard"].get_group(),
                                            self.root_device)
         # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
         # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
@@ -339,7 +340,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
             self._root.gathered_outside = False
             self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
-        return idle, untouched
+        return idle + repeated, untouched
 
     def _take_reduction(self) -> bool:
         """The result of this step's inter-node average: the one the backward ran, or run it now."""
