@@ -1,4 +1,4 @@
-"""Every dtype knob reads names the same way (``strategies/dtypes.py``)."""
+"""Every dtype knob reads names the same way (``dalle_lightning_plugins.dtypes``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A real multi-node launch: two ``torchrun`` agents (node ranks 0 and 1, one rendezvous) on 127.0.0.1.
 
 Each agent starts 2 processes that run ``dalle-train stage=prior`` under the strategy, exactly as on two
-machines (README, "Several machines"). Lightning finds the torchrun environment by itself; the mesh is
+machines (README, "Multi-node launch"). Lightning finds the torchrun environment by itself; the mesh is
 2 nodes x 2 devices with PowerSGD between the nodes. Both agents must finish, and the copies of every shard on
 the two nodes must be identical at the end (the strategy's ``replica_divergence``, a collective comparing each
 shard with its copy on node 0, logged as ``replica_divergence``).
