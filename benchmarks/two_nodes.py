@@ -1,9 +1,12 @@
-"""The demo's prior on 2 nodes x 1 process over a real, rate-limited link, as JSON: where the strategy pays.
+"""The demo's prior on 2 nodes x 1 or 2 processes over a real, rate-limited link, as JSON: where the strategy pays.
 
 Two network namespaces on this host joined by a veth pair (``benchmarks/_two_hosts.py``), each end capped with
 ``tc tbf`` at the rates given; one ``torchrun`` agent per namespace (``--nnodes=2``), gloo bound to the veth end,
 one thread per process, running ``dalle-train stage=prior experiment=shapes`` on the demo's artifacts (``make
 demo``'s out_dir). Before the runs of each rate a bulk TCP transfer checks what the link really carries.
+``--per-node 2`` starts 2 processes per namespace (``trainer.devices=2``): gloo binds to the veth end, so the
+traffic between the processes of one node goes to the node's own address, through the namespace's loopback,
+and only the traffic between nodes crosses the shaped link.
 
 Methods (``--methods``), each at PowerSGD rank ``--rank`` where it compresses:
 
@@ -11,7 +14,11 @@ Methods (``--methods``), each at PowerSGD rank ``--rank`` where it compresses:
 - ``hook``: ``ddp`` with torch's ``powerSGD_hook`` (``benchmarks/_torch_powersgd_hook.py``: start at update 2, warm
   start; the runs get the repository root on ``PYTHONPATH``, so that its ``_target_`` imports wherever they start);
 - ``strategy``: ``ShardedPowerSGDStrategy`` at ``devices_per_node=1`` (the exchange overlapped with the backward);
-- ``strategy_end``: the same with ``strategy.overlap=false`` (the whole exchange after the backward, as before).
+- ``strategy_end``: the same with ``strategy.overlap=false`` (the whole exchange after the backward);
+- ``hsdp``: hybrid sharding without compression as a Lightning user would run it: ``ModelParallelStrategy``
+  and ``fully_shard`` over its 2-D mesh in ``configure_model`` (``benchmarks/_hsdp_prior.py``).
+
+``strategy`` and ``strategy_end`` run at ``devices_per_node`` = ``--per-node``.
 
 ``rates`` mode (default): per rate and method, ``--runs`` runs of ``--steps`` updates without validation,
 interleaved (method a, b, c, a, b, c, ...): updates/s (``StepTimer``, after 10 warm-up updates), bytes node 0 put
@@ -56,34 +63,42 @@ _spec.loader.exec_module(two_hosts)
 # torch's PowerSGD hook, a module of this folder: importable as benchmarks.<module> from the repository root, which
 # launch_env() puts on the runs' PYTHONPATH.
 HOOK = "benchmarks._torch_powersgd_hook.TorchPowerSGDHook"
+HSDP_MODULE = "benchmarks._hsdp_prior.HSDPPriorModule"
 TIMER = ["+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer",
          "+callbacks.step_timer.skip=10"]
 LINK = ["+callbacks.link_bytes._target_=dalle_lightning_callbacks.link_bytes.LinkBytes",
         "+callbacks.link_bytes.skip=10"]
 BASE = ["stage=prior", "experiment=shapes", "callbacks.fid=null", "callbacks.sample_grid=null",
-        "callbacks.checkpoint=null", "trainer.devices=1", "trainer.num_nodes=2", "trainer.enable_progress_bar=false",
+        "callbacks.checkpoint=null", "trainer.num_nodes=2", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false",
         *TIMER, *LINK]
 NO_VAL = ["trainer.limit_val_batches=0"]
 VALIDATE = ["+trainer.val_check_interval=10", "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=4"]
 
 
-def method_overrides(method: str, rank: int) -> list[str]:
+def method_overrides(method: str, rank: int, per_node: int = 1) -> list[str]:
+    devices = [f"trainer.devices={per_node}"]
     if method == "ddp":
-        return ["strategy=auto", "strategy.name=ddp"]
+        return [*devices, "strategy=auto", "strategy.name=ddp"]
+    if method == "hsdp":
+        return [*devices, "strategy=auto", "~strategy.name",
+                "+strategy._target_=lightning.pytorch.strategies.ModelParallelStrategy",
+                "+strategy.data_parallel_size=2", f"+strategy.tensor_parallel_size={per_node}",
+                f"module._target_={HSDP_MODULE}"]
     if method == "hook":
-        return ["strategy=auto", "strategy.name=ddp", f"+callbacks.torch_powersgd._target_={HOOK}",
+        return [*devices, "strategy=auto", "strategy.name=ddp", f"+callbacks.torch_powersgd._target_={HOOK}",
                 f"+callbacks.torch_powersgd.rank={rank}"]
     if method in ("strategy", "strategy_end"):
-        return ["strategy=sharded_powersgd", "strategy.devices_per_node=1", "strategy.checkpoint_format=full",
+        return [*devices, "strategy=sharded_powersgd", f"strategy.devices_per_node={per_node}",
+                "strategy.checkpoint_format=full",
                 f"strategy.powersgd_rank={rank}", f"strategy.overlap={method == 'strategy'}"]
-    raise SystemExit(f"error: method {method!r}, expected ddp, hook, strategy or strategy_end")
+    raise SystemExit(f"error: method {method!r}, expected ddp, hook, hsdp, strategy or strategy_end")
 
 
-def setting_overrides(setting: str, rank: int) -> list[str]:
+def setting_overrides(setting: str, rank: int, per_node: int = 1) -> list[str]:
     """``method`` or ``method:key=value,key=value`` (keys of the strategy or the hook's callback)."""
     method, _, extra = setting.partition(":")
-    overrides = method_overrides(method, rank)
+    overrides = method_overrides(method, rank, per_node)
     prefix = "strategy." if method.startswith("strategy") else "+callbacks.torch_powersgd."
     for item in filter(None, extra.split(",")):
         key = item.split("=")[0]
@@ -103,7 +118,7 @@ def launch_env() -> dict[str, str]:
 
 
 def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path,
-        timeout: float = 900) -> dict[str, Any]:
+        timeout: float = 900, per_node: int = 1) -> dict[str, Any]:
     """One 2-node ``dalle-train`` run; node 0's metrics.json figures and timeline, or the error that ended it."""
     run_dir = Path(tempfile.mkdtemp(dir=scratch))
     paths = [f"paths.{key}={work / name}" for key, name in
@@ -116,7 +131,7 @@ def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path,
              if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")}
     agents = []
     for node in (0, 1):
-        argv = [torchrun, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+        argv = [torchrun, "--nnodes=2", f"--nproc-per-node={per_node}", f"--node-rank={node}",
                 f"--master-addr={two_hosts.ADDRESSES[0]}", f"--master-port={port}", "-m", "dalle_lightning.cli.train",
                 *BASE, f"trainer.max_steps={steps}", *paths, f"output={run_dir / 'prior.pt'}",
                 f"hydra.run.dir={run_dir / f'node{node}'}", *overrides]
@@ -159,7 +174,8 @@ def rates_mode(args: argparse.Namespace, hosts: Any, work: Path, scratch: Path) 
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
         for _ in range(args.runs):
             for method in args.methods:
-                runs[method].append(run(hosts, work, method_overrides(method, args.rank) + NO_VAL, args.steps, scratch))
+                runs[method].append(run(hosts, work, method_overrides(method, args.rank, args.per_node) + NO_VAL,
+                                        args.steps, scratch, per_node=args.per_node))
         entry: dict[str, Any] = {"measured_mbit": round(measured, 1)}
         for method, results in runs.items():
             ok = [r for r in results if "error" not in r]
@@ -192,7 +208,8 @@ def time_to_loss_mode(args: argparse.Namespace, hosts: Any, work: Path, scratch:
         hosts.shape(rate or None)
         measured = hosts.measure_mbit()
         entry: dict[str, Any] = {"measured_mbit": round(measured, 1)}
-        results = {s: run(hosts, work, setting_overrides(s, args.rank) + VALIDATE, args.ttl_steps, scratch)
+        results = {s: run(hosts, work, setting_overrides(s, args.rank, args.per_node) + VALIDATE, args.ttl_steps,
+                          scratch, per_node=args.per_node)
                    for s in ["ddp", *[s for s in args.settings if s != "ddp"]]}
         ddp = results["ddp"].get("timeline", [])
         target = next((p["loss"] for p in ddp if p["step"] == args.target_step), None)
@@ -226,6 +243,7 @@ def main() -> None:
                         help="Mbit/s each way; 0: unshaped")
     parser.add_argument("--methods", nargs="+", default=["ddp", "hook", "strategy", "strategy_end"])
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank of the hook and the strategy")
+    parser.add_argument("--per-node", type=int, default=1, help="processes per node (namespace): 1 or 2")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--time-to-loss", action="store_true")
@@ -240,7 +258,7 @@ def main() -> None:
     reason = two_hosts.unavailable()
     if reason:
         raise SystemExit(f"error: {reason}")
-    report: dict[str, Any] = {"work_dir": str(work), "rank": args.rank, "cpu": _cpu(),
+    report: dict[str, Any] = {"work_dir": str(work), "rank": args.rank, "per_node": args.per_node, "cpu": _cpu(),
                               "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as scratch, two_hosts.TwoHosts() as hosts:
         if args.time_to_loss:
