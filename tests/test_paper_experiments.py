@@ -43,7 +43,7 @@ def test_paper_dvae_experiment(tmp_path: Path) -> None:
     model, strategy, precision, callbacks = _build(cfg)
     assert sum(p.numel() for p in model.encoder.parameters()) == 53_786_240  # the released paper model
     assert sum(p.numel() for p in model.decoder.parameters()) == 43_829_766
-    assert strategy.devices_per_node == 8 and strategy._powersgd_kwargs["rank"] == 112
+    assert strategy.devices_per_node == 8 and strategy.inter_node.powersgd_kwargs["rank"] == 112
     assert precision.dtype == torch.float16
     precision.convert_module(model)  # finds the resblocks on the meta model: one scale each
     assert len(precision.scales) == 16
@@ -66,7 +66,7 @@ def test_paper_prior_experiment(tmp_path: Path) -> None:
     assert model.d_model == 3968 and len(model.layers) == 64
     kinds = model.attention_types()
     assert kinds.count("row") == 47 and kinds.count("column") == 16 and kinds[-1] == "conv"
-    assert strategy.devices_per_node == 8 and strategy._powersgd_kwargs["rank"] == 112
+    assert strategy.devices_per_node == 8 and strategy.inter_node.powersgd_kwargs["rank"] == 112
     precision.convert_module(model)
     assert len(precision.scales) == 128  # attention and MLP of 64 layers
     assert {type(c).__name__ for c in callbacks} == {"LearningRateMonitor", "NonFiniteGuard", "SkippedSampleMetrics", "EMA"}
