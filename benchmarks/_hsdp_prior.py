@@ -10,7 +10,7 @@ baseline that ``benchmarks/two_nodes.py --per-node 2`` (method ``hsdp``) sets th
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from typing_extensions import override
 
 from dalle_lightning.lit.prior import PriorModule
@@ -21,6 +21,8 @@ class HSDPPriorModule(PriorModule):
 
     @override
     def configure_model(self) -> None:
+        if isinstance(self.model, FSDPModule):  # Lightning calls the hook once per stage: shard once
+            return
         mesh = self.device_mesh  # (nodes, devices per node): replicate over the first, shard over the second
         for _, block in self.model.resblocks():
             fully_shard(block, mesh=mesh)

@@ -15,6 +15,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from hydra.utils import instantiate
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -149,10 +151,15 @@ def model_state_dict(trainer: pl.Trainer, module: pl.LightningModule, model: tor
     """The trained model's full, unsharded state dict on CPU (complete on rank 0).
 
     A strategy that shards parameters offers ``full_state_dict()`` (a collective returning the LightningModule's
-    state with whole tensors); the model's entries are those under its attribute name in the module."""
+    state with whole tensors); the model's entries are those under its attribute name in the module. A model
+    another strategy sharded itself (``fully_shard`` in ``configure_model`` under Lightning's
+    ``ModelParallelStrategy``) holds DTensors: torch gathers them whole, every rank taking part."""
     export = getattr(trainer.strategy, "full_state_dict", None)
     if not callable(export):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        state = model.state_dict()
+        if any(isinstance(v, DTensor) for v in state.values()):
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().cpu() for k, v in state.items()}
     prefix = next(name for name, child in module.named_children() if child is model) + "."
     return {k[len(prefix):]: v for k, v in export().items() if k.startswith(prefix)}
 
