@@ -83,7 +83,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             matrices' fp32 bytes to save (the paper's figure, e.g. 0.86), from which the rank is derived once the
             model is known. Not both; neither: rank ``DEFAULT_RANK``.
         overlap: start each bucket's inter-node exchange during the backward, as soon as its gradients are
-            ready (:mod:`dalle_lightning_plugins.exchange`; one device per node); off: the whole exchange after the backward.
+            ready (averaged over the node first at several devices per node; :mod:`dalle_lightning_plugins.exchange`);
+            off: the whole exchange after the backward.
         bucket_cap_mb: consecutive resblocks share one overlapped bucket while their parameters fit in this many
             MiB (0: one bucket per resblock).
         start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
