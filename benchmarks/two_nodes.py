@@ -174,7 +174,7 @@ def rates_mode(args: argparse.Namespace, hosts: Any, work: Path, scratch: Path) 
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
         for _ in range(args.runs):
             for method in args.methods:
-                runs[method].append(run(hosts, work, method_overrides(method, args.rank, args.per_node) + NO_VAL,
+                runs[method].append(run(hosts, work, setting_overrides(method, args.rank, args.per_node) + NO_VAL,
                                         args.steps, scratch, per_node=args.per_node))
         entry: dict[str, Any] = {"measured_mbit": round(measured, 1)}
         for method, results in runs.items():
@@ -241,7 +241,8 @@ def main() -> None:
                         help="the demo's out_dir (world, tokens, tokenizer, dvae); default outputs/demo")
     parser.add_argument("--rates", type=float, nargs="+", default=[0, 1000, 200, 50],
                         help="Mbit/s each way; 0: unshaped")
-    parser.add_argument("--methods", nargs="+", default=["ddp", "hook", "strategy", "strategy_end"])
+    parser.add_argument("--methods", nargs="+", default=["ddp", "hook", "strategy", "strategy_end"],
+                        help="methods, or settings as in --settings (strategy:reshard_after_forward=false)")
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank of the hook and the strategy")
     parser.add_argument("--per-node", type=int, default=1, help="processes per node (namespace): 1 or 2")
     parser.add_argument("--runs", type=int, default=3)

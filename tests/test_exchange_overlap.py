@@ -24,7 +24,7 @@ from torch import nn
 from dalle_lightning_plugins.powersgd import rank_for_compression, saved_share
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
-from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
+from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, reference_sgd, token_dataset, trainer
 
 LR, STEPS = 0.5, 3
 
@@ -50,23 +50,10 @@ def _paths(rank: int, world_size: int) -> dict:
             "sent_on": s_on.powersgd.stats.bytes_sent_last_step, "sent_off": s_off.powersgd.stats.bytes_sent_last_step}
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = TinyResNet()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    tokens, targets = token_dataset().tensors
-    for step in range(STEPS):
-        idx = torch.arange(step * 4, (step + 1) * 4)  # ranks 0 and 1 read items 2i and 2i + 1, batch 2 each
-        opt.zero_grad()
-        loss_fn(model, tokens[idx], targets[idx]).backward()
-        opt.step()
-    return {f"model.{k}": v.detach() for k, v in model.named_parameters()}
-
-
 @pytest.mark.distributed
 def test_overlap_equals_the_end_of_backward_path_and_full_rank_is_exact() -> None:
     results = run_distributed(_paths, 2, timeout=180)
-    reference = _reference()
+    reference = reference_sgd(STEPS, LR, 2)
     for res in results:
         for name, value in res["low_off"].items():
             torch.testing.assert_close(res["low_on"][name], value, atol=1e-5, rtol=0, msg=name)

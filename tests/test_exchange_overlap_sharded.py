@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
-from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
+from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, reference_sgd, token_dataset, trainer
 
 LR, STEPS, WORLD = 0.5, 3, 4
 
@@ -67,23 +67,10 @@ def _paths(rank: int, world_size: int) -> dict:
     return {"on": on, "off": off, "full": full, "events": events.events}
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = TinyResNet()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    tokens, targets = token_dataset().tensors
-    for step in range(STEPS):
-        idx = torch.arange(step * 2 * WORLD, (step + 1) * 2 * WORLD)  # rank r reads items r, r + 4, ...
-        opt.zero_grad()
-        loss_fn(model, tokens[idx], targets[idx]).backward()
-        opt.step()
-    return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.distributed
 def test_overlap_per_unit_equals_the_end_of_backward_path_and_full_rank_is_exact() -> None:
     results = run_distributed(_paths, WORLD, timeout=300)
-    reference = _reference()
+    reference = reference_sgd(STEPS, LR, WORLD)
     first = results[0]
     assert first["on"]["overlapped"] and not first["off"]["overlapped"]
     for name, want in reference.items():

@@ -92,3 +92,19 @@ def loader(dataset: TensorDataset, rank: int, batch_size: int = 2, world_size: i
     """Rank ``rank`` reads items rank, rank + world_size, ... in order (Lightning's own sampler would shuffle)."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def reference_sgd(steps: int, lr: float, world_size: int, batch_size: int = 2) -> dict[str, torch.Tensor]:
+    """Exact data parallelism in one process: SGD on the union of every rank's batches (``loader`` gives rank r
+    the items r, r + world_size, ...), from ``torch.manual_seed(0)``'s ``TinyResNet``; named as in ``TinyModule``."""
+    torch.manual_seed(0)
+    model = TinyResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    tokens, targets = token_dataset().tensors
+    per_step = batch_size * world_size
+    for step in range(steps):
+        idx = torch.arange(step * per_step, (step + 1) * per_step)
+        opt.zero_grad()
+        loss_fn(model, tokens[idx], targets[idx]).backward()
+        opt.step()
+    return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
