@@ -48,10 +48,7 @@ def plan_rank(shape: Sequence[int], rank: int, min_compression: float) -> int:
     """Effective PowerSGD rank for a gradient of ``shape``, or 0 when it should be all-reduced uncompressed.
 
     A gradient with ndim >= 2 is the matrix (shape[0], prod(shape[1:])); it is compressed with rank
-    min(rank, n, m), capped so that it still shrinks by at least ``min_compression`` (r (n + m) c <= n m);
-    only a matrix that rank 1 would not shrink that much goes uncompressed. The cap matters for shards: a row
-    shard (n / devices, m) at the whole matrix's rank may no longer shrink, and sending it whole would cost
-    more than the lower rank its own shape allows.
+    min(rank, n, m) unless that would not shrink it by at least ``min_compression`` (n m < c r (n + m)).
     """
     if len(shape) < 2:
         return 0
@@ -60,7 +57,7 @@ def plan_rank(shape: Sequence[int], rank: int, min_compression: float) -> int:
         return 0
     r = min(rank, n, m)
     if n * m < min_compression * r * (n + m):
-        r = math.floor(n * m / (min_compression * (n + m)))
+        return 0
     return r
 
 
@@ -157,7 +154,7 @@ class PowerSGD:
         error_feedback: keep per-matrix fp32 error buffers and add them to the next gradient.
         comm_dtype: wire dtype of P and Q' (fp32, bf16 or fp16; infinities clamped to the format's max).
         eps: the eps of the Householder QR of P + eps*I.
-        min_compression: cap each matrix's rank so that it shrinks by at least this factor (:func:`plan_rank`).
+        min_compression: compress a matrix only if it shrinks by at least this factor.
         seed: seeds the fixed Q of each matrix together with its name.
         skip_group: group over which "any non-finite gradient" is agreed; None means WORLD, so every shard of
             the model skips together and parameters stay consistent.
