@@ -147,7 +147,6 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self.prefetch_depth = prefetch_depth
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
-        self.uncompressed_patterns = list(uncompressed_patterns)
         if powersgd_rank is not None and compression is not None:
             raise ValueError(f"powersgd_rank={powersgd_rank!r} and compression={compression!r} both given; "
                              "set one: the rank, or the share of bytes to save from which the rank follows")
@@ -155,11 +154,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
             raise ValueError(f"compression={compression!r}, expected a share of bytes saved between 0 and 1 (e.g. 0.86)")
         if powersgd_rank is not None and (not isinstance(powersgd_rank, int) or powersgd_rank < 1):
             raise ValueError(f"powersgd_rank={powersgd_rank!r}, expected a positive integer")
-        self.compression = compression
-        self.overlap = overlap
         if not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}, expected a non-negative size in MiB")
-        self.bucket_cap_mb = bucket_cap_mb
         if powersgd_rank is None:
             powersgd_rank = DEFAULT_RANK
         self.inter_node = InterNodeReduction(
