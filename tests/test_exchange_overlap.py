@@ -106,11 +106,13 @@ def test_the_blocks_p_all_reduces_start_during_the_backward() -> None:
         start, finish = events.index("backward"), events.index("finish")
         during = events[start + 1:finish]
         after = events[finish + 1:]
-        # every block's P (and the Q's whose P had arrived) before the step waits
-        assert len(during) >= 3 and all(e == "async:RedOpType.SUM" for e in during), events
+        # every block's P and the root's (the head: it waits only for the blocks' P's, issued in bucket order)
+        # before the step waits, and the Q's whose P had arrived
+        assert len(during) >= 4 and all(e == "async:RedOpType.SUM" for e in during), events
         assert after[0] == "sync:RedOpType.MAX", events  # then the flags
-        # the root bucket (embedding, head) after the flags; every block's Q' (on the Q group) too
-        assert sum(e.startswith("async") for e in events) == 3 * 2 + 2, events
+        # P and Q' for each block and the root's head, then the embedding's used rows, after the flags, in one
+        assert sum(e.startswith("async") for e in events) == 3 * 2 + 2 + 1, events
+        assert after[-1] == "async:RedOpType.SUM" and after.count("async:RedOpType.SUM") >= 1, events
 
 
 class NaNOnRank1AtStep(L.Callback):

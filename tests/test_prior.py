@@ -7,7 +7,6 @@ import functools
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dalle_lightning.lit.prior import PriorModule, drop_captions
 from dalle_lightning.models.prior import DallePrior

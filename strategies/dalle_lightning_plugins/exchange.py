@@ -2,7 +2,7 @@
 
 Between nodes the link is slow (the reason the paper compresses with PowerSGD), so waiting for the whole backward
 before sending anything leaves the link idle while the device computes, then the device idle while the link
-sends. Here every *bucket* of gradients (one resblock's parameters; the root's parameters last) starts its
+sends. Here every *bucket* of gradients (resblocks' parameters; the root's, then the embeddings, last) starts its
 exchange as soon as its last gradient is accumulated, as DDP's communication hooks do per bucket, and the step
 waits only for what is still in flight once the backward ends.
 
@@ -35,6 +35,9 @@ reduce-scattered the unit within the node: FSDP2 then calls the sharded paramete
 the same hooks autograd calls at one device per node. Each rank exchanges its own shard with the ranks holding
 the same shard on the other nodes; embedding row flags travel in the whole table's row numbers.
 
+On CUDA the buckets' arithmetic and the waits on their collectives run on a stream of their own, so the backward's
+kernels on the default stream do not queue behind them; the step's commit waits for that stream.
+
 Where the overlap cannot apply (manual optimisation, a non-final micro-batch, a loss-scaling precision that
 unscales in the step, a unit that ran on no rank or more than once) the strategy calls :meth:`PowerSGD.reduce`
 at the end of the backward instead (:func:`~dalle_lightning_plugins.inter_node.exchange_path` decides); a
@@ -44,7 +47,8 @@ after the flags, with zeros for the gradients it lacks, as ``ddp`` does with ``f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +59,8 @@ from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.powersgd import FP32_BYTES, LowRank, PowerSGD
 from dalle_lightning_plugins.step_flags import RowSparse, agree_step_flags, finite_per_tensor
 
-ROOT_BUCKET = "<root>"  # parameters outside every resblock: sent after the flags (embedding rows need them)
+ROOT_BUCKET = "<root>"  # parameters outside every resblock but the embeddings: issued after the last resblock's
+ROWS_BUCKET = "<embedding rows>"  # embeddings sent by used rows: after the flags, which carry the rows
 
 
 class ExchangeError(RuntimeError):
@@ -69,7 +74,8 @@ class ExchangeError(RuntimeError):
 
 @dataclass
 class Bucket:
-    """A group of parameters exchanged together: one resblock's, or the root's (``ROOT_BUCKET``)."""
+    """A group of parameters exchanged together: one or more resblocks', the root's (``ROOT_BUCKET``) or the
+    embeddings sent by rows (``ROWS_BUCKET``)."""
 
     name: str
     params: list[tuple[str, nn.Parameter]]
@@ -123,14 +129,18 @@ class OverlappedExchange:
         self._active = False
         self._flights: list[_Flight] = []  # issued this step, in bucket order
         self._unscale: Callable[[list[torch.Tensor]], None] | None = None
+        self._stream: torch.cuda.Stream | None = None  # on CUDA: the exchange's arithmetic and collectives
         self.waiting_on = ""  # the collective the step is waiting for, for an error that names it
 
     # ------------------------------------------------------------------ set-up
 
     def attach(self, module: nn.Module, block_names: Sequence[str], uncompressed: set[str],
                row_sparse: set[str], replicated: Sequence[nn.Parameter] = ()) -> None:
-        """Bucket ``module``'s trainable parameters by resblock (in backward order, last block first; the root's
-        parameters last) and hook every one: the backward then issues each bucket once it is complete.
+        """Bucket ``module``'s trainable parameters by resblock (in backward order, last block first), then the
+        root's other parameters (heads, final norm), then the embeddings sent by rows, and hook all but those
+        embeddings: the backward then issues each bucket once it is complete. The embeddings go after the flag
+        all-reduce, which carries the rows some rank used; everything else is in flight by then, so the step's
+        tail is the flags and one all-reduce of rows (the root's factors were in it before, two more round trips).
 
         Sharded parameters (FSDP2 units at several devices per node) are hooked the same way: FSDP2 calls their
         post-accumulate-grad hooks once it has reduce-scattered the unit's gradients within the node, so each
@@ -160,9 +170,15 @@ class OverlappedExchange:
             else:
                 block.bytes = size
                 merged.append(block)
-        self.buckets = merged + ([Bucket(ROOT_BUCKET, rest)] if rest else [])
         self._row_sparse = {n: _row_span(p) for n, p in rest if n in row_sparse and p.dim() == 2}
-        for index, bucket in enumerate(self.buckets[:-1] if rest else self.buckets):
+        root = [(n, p) for n, p in rest if n not in self._row_sparse]
+        rows = [(n, p) for n, p in rest if n in self._row_sparse]
+        self.buckets = merged + ([Bucket(ROOT_BUCKET, root)] if root else []) + ([Bucket(ROWS_BUCKET, rows)] if rows else [])
+        device = next((local_shard(p).device for _, p in named), torch.device("cpu"))
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        for index, bucket in enumerate(self.buckets):
+            if bucket.name == ROWS_BUCKET:
+                continue
             for _, p in bucket.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
 
@@ -171,6 +187,18 @@ class OverlappedExchange:
             handle.remove()
         self._handles.clear()
         self.buckets = []
+
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """On CUDA, the exchange's arithmetic and the waits on its collectives run on a stream of their own, after
+        what the backward has queued so far: the backward's later kernels do not queue behind them. On the CPU
+        there are no streams."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            yield
 
     def _hook(self, index: int):
         def ready(param: torch.Tensor) -> None:
@@ -181,7 +209,8 @@ class OverlappedExchange:
                                        "block reduced twice in one backward); use overlap=False for this model")
                 bucket.ready.add(id(param))
                 try:
-                    self._issue_ready()
+                    with self._side_stream():
+                        self._issue_ready()
                 except (RuntimeError, dist.DistError) as error:
                     raise ExchangeError(self.waiting_on or f"the exchange of bucket {bucket.name}", error) from error
         return ready
@@ -205,7 +234,7 @@ class OverlappedExchange:
 
     def _issue_ready(self) -> None:
         """Issue, in bucket order, every bucket whose gradients are all there; then start the Q's whose P is in."""
-        last = len(self.buckets) - (self.buckets[-1].name == ROOT_BUCKET)
+        last = len(self.buckets) - (self.buckets[-1].name == ROWS_BUCKET)
         while len(self._flights) < last:
             bucket = self.buckets[len(self._flights)]
             if len(bucket.ready) < len(bucket.params):
@@ -227,6 +256,8 @@ class OverlappedExchange:
         assert self._active
         self._active = False
         ps = self.powersgd
+        if self._stream is not None:  # the flags read gradients the side stream unscaled in place
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         named = [(n, p) for bucket in self.buckets for n, p in bucket.params]
         if dist.is_initialized():
             self.waiting_on = "the flag all-reduce (non-finite gradients, unused parameters, embedding rows)"
@@ -238,10 +269,13 @@ class OverlappedExchange:
         if flags.finite and self._replicated:
             self.waiting_on = "the all-reduce of the parameters left whole"
             flags.finite = average_whole(self._replicated)
-        for bucket in self.buckets[len(self._flights):]:
-            if flags.finite or bucket.name != ROOT_BUCKET:  # a skipped step still matches the others' collectives
-                self._issue(bucket, flags.rows, skip_unused=True)
-        self._progress(block=True)
+        with self._side_stream():
+            for bucket in self.buckets[len(self._flights):]:
+                if flags.finite or bucket.name != ROWS_BUCKET:  # a skipped step still matches the others'
+                    self._issue(bucket, flags.rows, skip_unused=True)
+            self._progress(block=True)
+        if self._stream is not None:  # the commit and the optimizer step read what the side stream wrote
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         flights, self._flights = self._flights, []
         if not flags.finite:
             ps.count_skip()

@@ -23,6 +23,7 @@ from torch import nn
 
 from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange, average_whole
 from dalle_lightning_plugins.mesh import local_shard
+from dalle_lightning_plugins.path_choice import OverlapChoice
 from dalle_lightning_plugins.powersgd import PowerSGD, rank_for_compression
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision
 from dalle_lightning_plugins.step_flags import agree_step_flags
@@ -85,15 +86,17 @@ class InterNodeReduction:
         powersgd_kwargs: passed to :class:`PowerSGD` (its ``rank`` is replaced when ``compression`` is set).
         compression: the share of the compressed matrices' fp32 bytes to save, from which the rank follows once
             the model is known; None keeps the rank.
-        overlap: use the :class:`OverlappedExchange` where it applies (one device per node, several nodes).
+        overlap: use the :class:`OverlappedExchange` where it applies (several nodes): True, False, or ``"auto"``,
+            the faster of the two paths timed on the run's own first updates (:mod:`~dalle_lightning_plugins.path_choice`).
         bucket_cap_mb: the overlapped exchange's bucket size.
         uncompressed_patterns: fnmatch patterns of parameter names averaged uncompressed, besides embeddings.
     """
 
-    def __init__(self, powersgd_kwargs: dict[str, Any], *, compression: float | None, overlap: bool,
+    def __init__(self, powersgd_kwargs: dict[str, Any], *, compression: float | None, overlap: bool | str,
                  bucket_cap_mb: float, uncompressed_patterns: Sequence[str]) -> None:
         self.powersgd_kwargs = powersgd_kwargs
         self.compression, self.overlap, self.bucket_cap_mb = compression, overlap, bucket_cap_mb
+        self.choice = OverlapChoice(overlap)  # which path each update takes (overlap="auto": timed)
         self.uncompressed_patterns = list(uncompressed_patterns)
         self.powersgd: PowerSGD | None = None
         self.exchange: OverlappedExchange | None = None
@@ -111,8 +114,9 @@ class InterNodeReduction:
         self.timeout = timeout
         self.powersgd = PowerSGD(mesh["replicate"].get_group(), dense_with_p=True, **self.powersgd_kwargs)
         self.exchange = None
+        self.choice.reset()
         nodes = world_size // self.per_node
-        if self.overlap and nodes > 1:
+        if self.overlap is not False and nodes > 1:
             # Two more groups over this rank's replicate ranks: P's and Q''s are issued at different moments on
             # each rank, so each kind needs a group of its own to keep the order of issue equal everywhere
             # (exchange.py). Every rank creates every group (torch's rule), in the same order, and keeps its own.
@@ -219,6 +223,12 @@ class InterNodeReduction:
         seconds, calls = self._time
         if calls:
             self.figures["strategy/reduce_ms_per_step"] = 1e3 * seconds / calls
+        if self.exchange is not None and self.choice.chosen is not None:
+            self.figures["strategy/overlapped"] = float(self.choice.chosen)
+        if self.choice.medians_ms is not None:
+            overlapped_ms, end_ms = self.choice.medians_ms
+            self.figures["strategy/trial_update_ms_overlapped"] = overlapped_ms
+            self.figures["strategy/trial_update_ms_end_of_backward"] = end_ms
 
 
 @torch.no_grad()

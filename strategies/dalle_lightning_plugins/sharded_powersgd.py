@@ -82,9 +82,10 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         powersgd_rank: PowerSGD's rank r per gradient shard; or ``compression``, the share of the compressed
             matrices' fp32 bytes to save (the paper's figure, e.g. 0.86), from which the rank is derived once the
             model is known. Not both; neither: rank ``DEFAULT_RANK``.
-        overlap: start each bucket's inter-node exchange during the backward, as soon as its gradients are
-            ready (averaged over the node first at several devices per node; :mod:`dalle_lightning_plugins.exchange`);
-            off: the whole exchange after the backward.
+        overlap: ``True``: start each bucket's inter-node exchange during the backward, as soon as its gradients
+            are ready (averaged over the node first at several devices per node; :mod:`dalle_lightning_plugins.exchange`);
+            ``False``: the whole exchange after the backward; ``"auto"``: time both on the run's first updates and
+            keep the faster (:mod:`dalle_lightning_plugins.path_choice`). The update is the same either way.
         bucket_cap_mb: consecutive resblocks share one overlapped bucket while their parameters fit in this many
             MiB (0: one bucket per resblock).
         start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
@@ -116,7 +117,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         reduce_dtype: torch.dtype | str | None = None,
         powersgd_rank: int | None = None,
         compression: float | None = None,
-        overlap: bool = True,
+        overlap: bool | str = "auto",
         bucket_cap_mb: float = 1.0,
         start_step: int = 0,
         warm_start: bool = False,
@@ -169,6 +170,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
         self._backward_start = 0.0
+        self._overlapped = False  # the last synchronised backward took the overlapped path
 
     @property
     def powersgd(self) -> PowerSGD | None:
@@ -287,7 +289,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         module = self.lightning_module
         return exchange_path(synchronised=self._synchronised_step, world_size=self.world_size,
                              automatic_optimization=module is not None and module.automatic_optimization,
-                             precision=self.precision_plugin, can_overlap=self._exchange is not None,
+                             precision=self.precision_plugin,
+                             can_overlap=self._exchange is not None and self.inter_node.choice.overlap_now(),
                              every_unit_ran_once=every_unit_ran_once)
 
     @override
@@ -302,6 +305,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         path = self._exchange_path(every_unit_ran_once=not irregular)
+        if self._synchronised_step:
+            self._overlapped = path is ExchangePath.OVERLAPPED
         if self._exchange is not None:
             precision = self.precision_plugin
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
@@ -380,6 +385,14 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        start = time.perf_counter()
+        output = self._optimizer_step(optimizer, closure, model, **kwargs)
+        if self._exchange is not None:  # overlap="auto": every update's time, for the choice of path
+            self.inter_node.choice.record(time.perf_counter() - start, self._overlapped, self.root_device)
+        return output
+
+    def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                        model: pl.LightningModule | nn.Module | None, **kwargs: Any) -> Any:
         # Run forward/backward first, so the inter-node average (and the skip decision) sits between the
         # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
         self._reduced = None

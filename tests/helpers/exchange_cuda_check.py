@@ -4,7 +4,7 @@ Run by ``tests/test_exchange_cuda.py`` (``cuda`` marker: skipped without a GPU; 
 on the CPU). Three SGD steps of a tiny embedding + residual model, each through the overlapped exchange and
 through the end-of-backward path, must land on the same weights within 1e-5.
 """
-import os, sys, tempfile
+import tempfile
 import torch, torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
