@@ -15,10 +15,12 @@ Methods (``--methods``), each at PowerSGD rank ``--rank`` where it compresses:
   start; the runs get the repository root on ``PYTHONPATH``, so that its ``_target_`` imports wherever they start);
 - ``strategy``: ``ShardedPowerSGDStrategy`` at ``devices_per_node=1`` (the exchange overlapped with the backward);
 - ``strategy_end``: the same with ``strategy.overlap=false`` (the whole exchange after the backward);
+- ``strategy_auto``: the same with ``strategy.overlap=auto`` (the default: both paths timed on the first updates,
+  the faster kept);
 - ``hsdp``: hybrid sharding without compression as a Lightning user would run it: ``ModelParallelStrategy``
   and ``fully_shard`` over its 2-D mesh in ``configure_model`` (``benchmarks/_hsdp_prior.py``).
 
-``strategy`` and ``strategy_end`` run at ``devices_per_node`` = ``--per-node``.
+``strategy``, ``strategy_end`` and ``strategy_auto`` run at ``devices_per_node`` = ``--per-node``.
 
 ``rates`` mode (default): per rate and method, ``--runs`` runs of ``--steps`` updates without validation,
 interleaved (method a, b, c, a, b, c, ...): updates/s (``StepTimer``, after 10 warm-up updates), bytes node 0 put
@@ -76,6 +78,9 @@ NO_VAL = ["trainer.limit_val_batches=0"]
 VALIDATE = ["+trainer.val_check_interval=10", "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=4"]
 
 
+STRATEGY_OVERLAP = {"strategy": "true", "strategy_end": "false", "strategy_auto": "auto"}
+
+
 def method_overrides(method: str, rank: int, per_node: int = 1) -> list[str]:
     devices = [f"trainer.devices={per_node}"]
     if method == "ddp":
@@ -88,11 +93,11 @@ def method_overrides(method: str, rank: int, per_node: int = 1) -> list[str]:
     if method == "hook":
         return [*devices, "strategy=auto", "strategy.name=ddp", f"+callbacks.torch_powersgd._target_={HOOK}",
                 f"+callbacks.torch_powersgd.rank={rank}"]
-    if method in ("strategy", "strategy_end"):
+    if method in STRATEGY_OVERLAP:
         return [*devices, "strategy=sharded_powersgd", f"strategy.devices_per_node={per_node}",
                 "strategy.checkpoint_format=full",
-                f"strategy.powersgd_rank={rank}", f"strategy.overlap={method == 'strategy'}"]
-    raise SystemExit(f"error: method {method!r}, expected ddp, hook, hsdp, strategy or strategy_end")
+                f"strategy.powersgd_rank={rank}", f"strategy.overlap={STRATEGY_OVERLAP[method]}"]
+    raise SystemExit(f"error: method {method!r}, expected ddp, hook, hsdp, {', '.join(STRATEGY_OVERLAP)}")
 
 
 def setting_overrides(setting: str, rank: int, per_node: int = 1) -> list[str]:

@@ -26,7 +26,8 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     n, r = p.shape[-2], p.shape[-1]
     if r > n:
         raise ValueError(f"orthogonalize expects n >= r (a tall P), got shape {tuple(p.shape)}")
-    a = p.float() + eps * torch.eye(n, r, dtype=torch.float32, device=p.device)
+    a = p.to(torch.float32, copy=True)
+    a.diagonal(dim1=-2, dim2=-1).add_(eps)  # + eps * I without allocating I
     reflectors, tau = torch.geqrf(a)
     q = torch.linalg.householder_product(reflectors, tau)
     signs = torch.sign(torch.diagonal(reflectors, dim1=-2, dim2=-1))

@@ -195,6 +195,7 @@ class PowerSGD:
         self._step = 0  # successful (non-skipped) reductions; drives start_step
         self._q: dict[str, torch.Tensor] = {}
         self._error: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # last step's error buffers: where the next staged M is formed
 
     # ------------------------------------------------------------------ public API
 
@@ -262,6 +263,7 @@ class PowerSGD:
         self._step = int(state["step"])
         self._q = {k: v.detach().clone().float() for k, v in state["q"].items()}
         self._error = {k: v.detach().clone().float() for k, v in state["error"].items()}
+        self._spare = {}
         self.stats = PowerSGDStats(**state["stats"])
 
     # ------------------------------------------------------------------ the stages of one matrix
@@ -285,8 +287,12 @@ class PowerSGD:
         g2 = g.reshape(g.shape[0], -1)
         if not self.error_feedback:
             m = g2.float()
-        elif staged:
-            m = self._error_buffer(name, g2.shape, g.device).add(g2)
+        elif staged:  # in the spare buffer (the error buffer it replaced at the last commit): no allocation
+            error = self._error_buffer(name, g2.shape, g.device)
+            spare = self._spare.get(name)
+            if spare is None or spare.shape != error.shape or spare.device != error.device or spare is error:
+                spare = self._spare[name] = torch.empty_like(error)
+            m = torch.add(error, g2, out=spare)
         else:
             m = self._error_buffer(name, g2.shape, g.device).add_(g2)
         return LowRank(name, g, r, m)
@@ -318,7 +324,9 @@ class PowerSGD:
         if self.error_feedback:
             m.sub_(approx)
             m.masked_fill_(~finite_per_tensor([m])[0], 0.0)
-            self._error[item.name] = m  # the buffer itself unless staged
+            if self._error[item.name] is not m:  # staged: M becomes the error buffer, the old one the spare
+                self._spare[item.name] = self._error[item.name]
+                self._error[item.name] = m
         if self.warm_start:
             self._q[item.name] = qt.T.clone()
 
