@@ -17,6 +17,8 @@ Methods (``--methods``), each at PowerSGD rank ``--rank`` where it compresses:
 - ``strategy_end``: the same with ``strategy.overlap=false`` (the whole exchange after the backward);
 - ``strategy_auto``: the same with ``strategy.overlap=auto`` (the default: both paths timed on the first updates,
   the faster kept);
+- ``local``: :class:`LocalStepsStrategy` (``conf/strategy/local_steps.yaml``: the nodes synchronised every
+  ``sync_every`` updates, DiLoCo), e.g. ``local:sync_every=20,outer_lr=0.7``;
 - ``hsdp``: hybrid sharding without compression as a Lightning user would run it: ``ModelParallelStrategy``
   and ``fully_shard`` over its 2-D mesh in ``configure_model`` (``benchmarks/_hsdp_prior.py``).
 
@@ -93,18 +95,20 @@ def method_overrides(method: str, rank: int, per_node: int = 1) -> list[str]:
     if method == "hook":
         return [*devices, "strategy=auto", "strategy.name=ddp", f"+callbacks.torch_powersgd._target_={HOOK}",
                 f"+callbacks.torch_powersgd.rank={rank}"]
+    if method == "local":
+        return [*devices, "strategy=local_steps", f"strategy.devices_per_node={per_node}", "strategy.checkpoint_format=full"]
     if method in STRATEGY_OVERLAP:
         return [*devices, "strategy=sharded_powersgd", f"strategy.devices_per_node={per_node}",
                 "strategy.checkpoint_format=full",
                 f"strategy.powersgd_rank={rank}", f"strategy.overlap={STRATEGY_OVERLAP[method]}"]
-    raise SystemExit(f"error: method {method!r}, expected ddp, hook, hsdp, {', '.join(STRATEGY_OVERLAP)}")
+    raise SystemExit(f"error: method {method!r}, expected ddp, hook, hsdp, local, {', '.join(STRATEGY_OVERLAP)}")
 
 
 def setting_overrides(setting: str, rank: int, per_node: int = 1) -> list[str]:
     """``method`` or ``method:key=value,key=value`` (keys of the strategy or the hook's callback)."""
     method, _, extra = setting.partition(":")
     overrides = method_overrides(method, rank, per_node)
-    prefix = "strategy." if method.startswith("strategy") else "+callbacks.torch_powersgd."
+    prefix = "+callbacks.torch_powersgd." if method == "hook" else "strategy."
     for item in filter(None, extra.split(",")):
         key = item.split("=")[0]
         overrides = [o for o in overrides if not o.lstrip("+").startswith(prefix.lstrip("+") + key + "=")]
@@ -158,7 +162,7 @@ def run(hosts: Any, work: Path, overrides: list[str], steps: int, scratch: Path,
         return {"error": (errors[0] if errors else f"exit codes {[a.returncode for a, _ in agents]}")[-300:]}
     metrics = json.loads((run_dir / "node0" / "metrics.json").read_text())["metrics"]
     out: dict[str, Any] = {k: float(v) for k, v in metrics.items()
-                           if k.startswith(("time/", "powersgd/", "strategy/", "link/", "val/loss", "replica"))}
+                           if k.startswith(("time/", "powersgd/", "strategy/", "local_steps/", "link/", "val/loss", "replica"))}
     for line in text.splitlines():
         if line.startswith('{"timeline"'):
             out["timeline"] = json.loads(line)["timeline"]
@@ -190,6 +194,8 @@ def rates_mode(args: argparse.Namespace, hosts: Any, work: Path, scratch: Path) 
                                                  if "link/tx_bytes_per_update" in r]),
                 "gradient_bytes_per_rank": spread([r["powersgd/inter_node_bytes_per_rank"] for r in ok
                                                    if "powersgd/inter_node_bytes_per_rank" in r]),
+                "local_steps_bytes_per_update": spread([r["local_steps/inter_node_bytes_per_update"] for r in ok
+                                                        if "local_steps/inter_node_bytes_per_update" in r]),
                 "exchange_ms_per_step": spread([r["strategy/reduce_ms_per_step"] for r in ok
                                                 if "strategy/reduce_ms_per_step" in r]),
                 "failed": [r["error"] for r in results if "error" in r],

@@ -26,6 +26,7 @@ import tomllib
 from functools import cache
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers.layout import import_roots
@@ -245,19 +246,20 @@ def test_every_strategy_key_a_command_line_overrides_is_in_the_config() -> None:
     assert not [(where, key) for where, key in sorted(used) if key not in STRATEGY_KEYS], STRATEGY_KEYS
 
 
-# The one value conf/strategy/sharded_powersgd.yaml sets apart from the constructor, as the file says at its top.
+# The one value the strategies' configs set apart from their constructors, as each file says at its top.
 CONFIG_DIFFERS = {"checkpoint_format": ("sharded", "full")}
 
 
-def test_every_strategy_config_key_is_a_parameter_with_the_constructors_default() -> None:
-    """Hydra passes the keys of conf/strategy/sharded_powersgd.yaml as keyword arguments: each names a parameter,
-    and each value is its default (one default per setting), except the ones the file explains."""
+@pytest.mark.parametrize("name", ["sharded_powersgd", "local_steps"])
+def test_every_strategy_config_key_is_a_parameter_with_the_constructors_default(name: str) -> None:
+    """Hydra passes the keys of conf/strategy/<name>.yaml as keyword arguments: each names a parameter, and each
+    value is its default (one default per setting), except the ones the file explains."""
     import inspect
     from datetime import timedelta
 
     from hydra.utils import get_object
 
-    config = yaml.safe_load((ROOT / "conf" / "strategy" / "sharded_powersgd.yaml").read_text())
+    config = yaml.safe_load((ROOT / "conf" / "strategy" / f"{name}.yaml").read_text())
     parameters = inspect.signature(get_object(config.pop("_target_"))).parameters
     assert set(config) == set(parameters), set(config) ^ set(parameters)
 
@@ -270,5 +272,5 @@ def test_every_strategy_config_key_is_a_parameter_with_the_constructors_default(
 
     differ = {k: (v, plain(parameters[k].default)) for k, v in config.items() if v != plain(parameters[k].default)}
     assert differ == CONFIG_DIFFERS
-    text = (ROOT / "conf" / "strategy" / "sharded_powersgd.yaml").read_text()
+    text = (ROOT / "conf" / "strategy" / f"{name}.yaml").read_text()
     assert all(re.search(rf"^{key}: .+ # ", text, re.M) for key in config), "every key has its comment"

@@ -7,6 +7,7 @@ The distribution ``dalle-lightning-plugins`` (built from this folder by its own 
 
 from importlib import metadata as _metadata
 
+from dalle_lightning_plugins.local_steps import LocalStepsStrategy
 from dalle_lightning_plugins.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
 from dalle_lightning_plugins.mesh import build_mesh, mesh_shape
 from dalle_lightning_plugins.prefetch import apply_prefetch, prefetch_plan
@@ -21,6 +22,7 @@ except _metadata.PackageNotFoundError:  # imported from a checkout that was neve
 
 __all__ = [
     "GroupUnscalingPrecision",
+    "LocalStepsStrategy",
     "ResblockScalingPrecision",
     "ShardedPowerSGDStrategy",
     "UnscalingPrecision",

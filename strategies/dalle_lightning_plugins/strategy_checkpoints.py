@@ -103,6 +103,16 @@ class ShardedCheckpointing:
         assert self.lightning_module is not None
         return export_full_state_dict(self.lightning_module)
 
+    def _rank_state(self) -> dict[str, Any]:
+        """What each rank keeps of its own in a checkpoint besides the model, optimizer and buffers: PowerSGD's
+        state (Q, error buffers, counters); a subclass adds its own keys."""
+        assert self.powersgd is not None
+        return self.powersgd.state_dict()
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        assert self.powersgd is not None
+        self.powersgd.load_state_dict(state)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -120,7 +130,7 @@ class ShardedCheckpointing:
         for key in extras:
             state[key] = checkpoint.pop(key)
         checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
-        state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self.powersgd.state_dict())
+        state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self._rank_state())
         buffers = _own_buffers(self.lightning_module, state["state_dict"])
         checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
         if buffers:
@@ -135,7 +145,7 @@ class ShardedCheckpointing:
         for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
             checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
         checkpoint[SHARDED_EXTRAS_KEY] = extras
-        checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self.powersgd.state_dict()))
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self._rank_state()))
         assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
         buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
         checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(buffers))
@@ -164,7 +174,7 @@ class ShardedCheckpointing:
         # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
         powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
         if optimizers and isinstance(powersgd, list) and len(powersgd) == self.world_size:
-            self.powersgd.load_state_dict(unpack(powersgd[self.global_rank]))
+            self._load_rank_state(unpack(powersgd[self.global_rank]))
         if isinstance(buffers, list) and len(buffers) == self.world_size:
             with torch.no_grad():
                 for name, value in unpack(buffers[self.global_rank]).items():
@@ -204,7 +214,7 @@ class ShardedCheckpointing:
         for idx, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         if optimizers:
-            self.powersgd.load_state_dict(unpack(state[key]))
+            self._load_rank_state(unpack(state[key]))
         return metadata
 
     @override
