@@ -165,3 +165,38 @@ def _two_optimizers(rank: int, world_size: int) -> str:
 def test_two_optimizers_are_refused_in_one_line() -> None:
     for message in run_distributed(_two_optimizers, 2, timeout=120):
         assert "takes one optimizer, got 2" in message and "\n" not in message, message
+
+
+class WithBatchNorm(L.LightningModule):
+    """Batch-norm statistics are buffers: each node keeps its own between syncs, rank 0's after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+        self.running: list[torch.Tensor] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.running.append(self.net[1].running_mean.clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _buffers(rank: int, world_size: int) -> list[torch.Tensor]:
+    external_launch_env(rank)
+    torch.manual_seed(0)
+    module = WithBatchNorm()
+    data = torch.utils.data.TensorDataset(torch.randn(12, 4) + 3 * rank)  # each node sees other statistics
+    trainer(LocalStepsStrategy(devices_per_node=1, sync_every=2), devices=2, max_steps=3).fit(
+        module, torch.utils.data.DataLoader(data, batch_size=4))
+    return [*module.running, module.net[1].running_mean.clone()]
+
+
+@pytest.mark.distributed
+def test_buffers_stay_per_node_between_syncs_and_agree_after_each() -> None:
+    first, second = run_distributed(_buffers, 2, timeout=120)
+    after = [torch.equal(a, b) for a, b in zip(first, second)]
+    assert after == [False, True, False, True], after  # updates 1, 2 (sync), 3, and the fit's last sync

@@ -6,7 +6,9 @@ Each namespace runs one ``torchrun`` agent (``--nnodes=2``, gloo bound to its ve
 - 2 nodes x 1 and 2 nodes x 2 processes end with identical replicas (``replica_divergence`` 0);
 - the link taken down mid-run, or one node killed whole: the survivors end within the strategy's ``timeout``
   with an error naming what failed, nothing is left running, no checkpoint is half-written, and ``resume=auto``
-  (link up again) continues to the weights of an uninterrupted run.
+  (link up again) continues to the weights of an uninterrupted run;
+- the same for ``strategy=local_steps`` (DiLoCo), the link cut before a sync: both nodes end in one line, and
+  the run resumed from a checkpoint written mid-cycle reaches the uninterrupted run's weights.
 
 Skipped, in one line, where this host cannot make a namespace with a veth and ``tbf`` (no root, no iproute2).
 """
@@ -55,7 +57,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start(hosts: two_hosts.TwoHosts, work: Path, name: str, per_node: int, *overrides: str,
-          runs: Path | None = None) -> list[subprocess.Popen]:
+          runs: Path | None = None, strategy: str = "sharded_powersgd") -> list[subprocess.Popen]:
     """One agent per namespace; node ``n`` logs to ``<work>/<name>/node<n>.log`` and runs in
     ``<runs>/prior/<name>-node<n>`` (where ``resume=auto`` looks)."""
     runs = runs or work / "runs"
@@ -70,7 +72,7 @@ def start(hosts: two_hosts.TwoHosts, work: Path, name: str, per_node: int, *over
     for node in (0, 1):
         argv = [torchrun, "--nnodes=2", f"--nproc-per-node={per_node}", f"--node-rank={node}",
                 f"--master-addr={two_hosts.ADDRESSES[0]}", f"--master-port={port}", "-m", "dalle_lightning.cli.train",
-                "stage=prior", f"paths.work_dir={work}", "strategy=sharded_powersgd", f"trainer.devices={per_node}",
+                "stage=prior", f"paths.work_dir={work}", f"strategy={strategy}", f"trainer.devices={per_node}",
                 "trainer.num_nodes=2", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "data.batch_size=4",
                 "callbacks.fid=null", "callbacks.sample_grid=null", "trainer.enable_progress_bar=false",
                 "trainer.enable_model_summary=false", "trainer.limit_val_batches=0", "data.shuffle_buffer=0",
@@ -174,6 +176,45 @@ def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.T
 
     got = torch.load(work / failure / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
     want = torch.load(uninterrupted, map_location="cpu", weights_only=False)
+    got, want = got.get("state_dict", got), want.get("state_dict", want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key
+
+
+LOCAL_RUN = ("trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "strategy.sync_every=4",
+             "strategy.checkpoint_format=full", f"strategy.timeout={TIMEOUT_S}")
+
+
+def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
+        hosts: two_hosts.TwoHosts, work: Path, tmp_path: Path) -> None:
+    """Paused after update 3, the link goes down: update 4's sync fails on both nodes; the newest checkpoint is
+    update 2's, two updates into the cycle (each node's own weights and inner optimizer state in it)."""
+    want_runs = tmp_path / "straight"
+    assert wait(start(hosts, work, "local/straight", 1, *LOCAL_RUN, runs=want_runs, strategy="local_steps"),
+                timeout=240) == [0, 0], tail(logs(work, "local/straight"))
+    runs, flag = tmp_path / "runs", tmp_path / "hold"
+    agents = start(hosts, work, "local/broken", 1, *LOCAL_RUN, "+callbacks.pause._target_=tests.pause_at.PauseAt",
+                   f"+callbacks.pause.flag={flag}", "+callbacks.pause.update=3", runs=runs, strategy="local_steps")
+    deadline = time.monotonic() + 120
+    while not flag.with_suffix(".paused").exists():
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), tail(logs(work, "local/broken"))
+        time.sleep(0.2)
+    hosts.set_link(False)
+    flag.with_suffix(".go").touch()
+    started = time.monotonic()
+    codes = wait(agents, timeout=6 * TIMEOUT_S + 30)
+    ended = time.monotonic() - started
+    hosts.set_link(True)
+    text = logs(work, "local/broken")
+    assert all(code not in (0, -999) for code in codes), tail(text)
+    assert ended < 4 * TIMEOUT_S + 20, f"{ended:.0f} s to end\n{tail(text)}"
+    assert "the outer step's all-reduce (the pseudo-gradient) with node(s)" in text, tail(text)
+    _no_process_left(hosts)
+    resumed = start(hosts, work, "local/resumed", 1, *LOCAL_RUN, "resume=auto", runs=runs, strategy="local_steps")
+    assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, "local/resumed"))
+    got = torch.load(work / "local" / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
+    want = torch.load(work / "local" / "straight" / "prior.pt", map_location="cpu", weights_only=False)
     got, want = got.get("state_dict", got), want.get("state_dict", want)
     for key, value in want.items():
         if torch.is_tensor(value):

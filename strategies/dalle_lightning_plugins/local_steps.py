@@ -27,7 +27,8 @@ What it does as a Lightning user expects:
 - one optimizer: with several a sync would fall between them (an error says so).
 
 Metrics: ``local_steps/updates_since_sync``, ``local_steps/inter_node_bytes_per_update`` (this rank's bytes over
-every sync of the fit divided by the updates), ``local_steps/syncs``, ``local_steps/skipped_syncs``.
+every sync of the fit divided by the updates), ``local_steps/syncs``, ``local_steps/skipped_syncs``,
+``local_steps/sync_ms`` (the mean wall time of a sync, waiting for the other nodes included).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from dalle_lightning_plugins import fsdp_wiring
 from dalle_lightning_plugins.exchange import ExchangeError
 from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.outer_step import OuterStep
@@ -109,6 +111,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         self.outer = OuterStep(outer_lr, outer_momentum, outer_nesterov, outer_comm_dtype)
         self._started = False  # the outer state holds this fit's global weights
         self._updates = 0  # this fit's updates, for the bytes per update
+        self._sync_s = 0.0  # this fit's seconds in syncs (waiting for the other nodes included)
 
     # ------------------------------------------------------------------ setup
 
@@ -127,7 +130,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
 
     def _start_cycle(self) -> None:
         self.outer.start(self._named_shards())
-        self._started, self._updates = True, 0
+        self._started, self._updates, self._sync_s = True, 0, 0.0
 
     # ------------------------------------------------------------------ the step
 
@@ -155,6 +158,20 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         return flags.finite
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The parent broadcasts rank 0's buffers (batch-norm statistics) before every synchronised forward, over
+        # every rank: here only within the node (nodes talk at syncs), and over every rank at each sync.
+        if self._root is not None:
+            self._root.units_ran.clear()
+        module = self.lightning_module
+        shard = self.device_mesh["shard"]
+        if self._synchronised_step and torch.is_grad_enabled() and shard.size() > 1 and module is not None:
+            buffers = _broadcastable_buffers(module)
+            if buffers:
+                fsdp_wiring.broadcast_flat(buffers, shard.get_group())
+        return super(ShardedPowerSGDStrategy, self).training_step(*args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
         if not self._started:
@@ -174,7 +191,12 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         start = time.perf_counter()
         try:
             shards = [t for _, t in self._named_shards()]
-            return self.outer.sync(shards, mesh["replicate"].get_group() if replicas > 1 else None, replicas)
+            ok = self.outer.sync(shards, mesh["replicate"].get_group() if replicas > 1 else None, replicas)
+            self._sync_s += time.perf_counter() - start
+            buffers = _broadcastable_buffers(self.lightning_module)
+            if buffers and self.world_size > 1:
+                fsdp_wiring.broadcast_flat(buffers, None)  # one model again: rank 0's buffers everywhere
+            return ok
         except (RuntimeError, dist.DistError) as error:
             failed = ExchangeError("the outer step's all-reduce (the pseudo-gradient)", error)
             raise RuntimeError(self.inter_node.failure(failed, time.perf_counter() - start)) from error
@@ -193,6 +215,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         return {"local_steps/updates_since_sync": float(self.outer.updates_since_sync),
                 "local_steps/inter_node_bytes_per_update": self.outer.bytes_sent / max(self._updates, 1),
                 "local_steps/syncs": float(self.outer.syncs),
+                "local_steps/sync_ms": 1e3 * self._sync_s / max(self.outer.syncs + self.outer.skipped_syncs, 1),
                 "local_steps/skipped_syncs": float(self.outer.skipped_syncs)}
 
     @override
@@ -200,7 +223,10 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         if self._started and self.outer.updates_since_sync:
             self.sync()  # a fit that stops between syncs leaves the global model
         super().on_train_end()
-        self.inter_node.figures.update(self._figures())
+        figures = self.inter_node.figures  # PowerSGD's counters are the parent's: nothing is compressed here
+        for key in [k for k in figures if k.startswith("powersgd/")]:
+            del figures[key]
+        figures.update(self._figures())
 
     # ------------------------------------------------------------------ checkpoints: the outer state per rank
 
@@ -251,3 +277,11 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
 if STRATEGY_NAME not in StrategyRegistry:
     StrategyRegistry.register(STRATEGY_NAME, LocalStepsStrategy,
                               description="FSDP2 within a node, the nodes synchronised every sync_every updates (DiLoCo)")
+
+
+def _broadcastable_buffers(module: nn.Module | None) -> list[torch.Tensor]:
+    """The buffers ``ddp`` would broadcast (as the parent's :func:`fsdp_wiring.broadcast_buffers` picks them)."""
+    if module is None:
+        return []
+    return [b for b in module.buffers() if not hasattr(b, "to_local")
+            and (b.is_floating_point() or b.dtype in (torch.int64, torch.int32))]
