@@ -10,7 +10,7 @@ long run's): seconds to target = updates to target / updates per second at that 
 The output has ``two_nodes.py --time-to-loss``'s layout (``time_to_loss``: rate -> setting -> figures), so
 ``plot_time_to_loss.py`` draws it.
 
-Usage: ``python benchmarks/time_to_loss_at_rates.py ttl.json rates.json [more rates.json ...] > derived.json``;
+Usage: ``python benchmarks/time_to_loss_at_rates.py --ttl ttl.json [...] --rates rates.json [...] > derived.json``;
 a setting's name in the rates report is the same string as in ``--settings`` (``two_nodes.py --methods`` takes
 settings).
 """
@@ -23,8 +23,35 @@ from pathlib import Path
 from typing import Any
 
 
-def derive(ttl: dict[str, Any], rates: list[dict[str, Any]]) -> dict[str, Any]:
-    curves = next(iter(ttl["time_to_loss"].values()))  # one loss curve per setting (any rate: the same curve)
+def rate_key(setting: str, entry: dict[str, Any]) -> str | None:
+    """The rates report's name for a setting's step time: the setting itself, else the same setting without the
+    keys that change neither bytes nor step time (the outer step's learning rate and momentum; the exchange path,
+    which gives the same update either way: the overlap default ``strategy_auto`` stands for ``strategy``)."""
+    if setting in entry:
+        return setting
+    method, _, extra = setting.partition(":")
+    kept = ",".join(i for i in extra.split(",") if i and not i.startswith(("outer_lr=", "outer_momentum=",
+                                                                              "outer_nesterov=")))
+    method = "strategy_auto" if method == "strategy" else method
+    name = f"{method}:{kept}" if kept else method
+    return name if name in entry else None
+
+
+def merge_curves(ttls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The settings of several ``--time-to-loss`` reports of one shape, checked to share ``ddp``'s target."""
+    merged: dict[str, Any] = {}
+    for ttl in ttls:
+        curves = next(iter(ttl["time_to_loss"].values()))  # one loss curve per setting (any rate: the same curve)
+        if merged and curves["target_loss"] != merged["target_loss"]:
+            raise SystemExit(f"error: targets differ ({curves['target_loss']} against {merged['target_loss']}): "
+                             "not runs of one shape and schedule")
+        merged.update(curves)
+    return merged
+
+
+def derive(ttls: list[dict[str, Any]], rates: list[dict[str, Any]]) -> dict[str, Any]:
+    ttl = ttls[0]
+    curves = merge_curves(ttls)
     target, target_step = curves["target_loss"], ttl["target_step"]
     measured: dict[str, dict[str, Any]] = {}
     for report in rates:
@@ -35,11 +62,12 @@ def derive(ttl: dict[str, Any], rates: list[dict[str, Any]]) -> dict[str, Any]:
     for rate, entry in measured.items():
         row: dict[str, Any] = {"measured_mbit": entry["measured_mbit"], "target_loss": target}
         for setting, curve in curves.items():
-            if not isinstance(curve, dict) or setting not in entry or not entry[setting]["updates_per_s"]:
+            measured_as = rate_key(setting, entry)
+            if not isinstance(curve, dict) or measured_as is None or not entry[measured_as]["updates_per_s"]:
                 continue
-            per_s = entry[setting]["updates_per_s"]["median"]
+            per_s = entry[measured_as]["updates_per_s"]["median"]
             updates = curve["updates_to_target"]
-            row[setting] = {"updates_to_target": updates, f"val_loss_at_{target_step}": curve[f"val_loss_at_{target_step}"],
+            row[setting] = {"rate_measured_as": measured_as, "updates_to_target": updates, f"val_loss_at_{target_step}": curve[f"val_loss_at_{target_step}"],
                             "vs_ddp_loss": curve["vs_ddp_loss"], "updates_per_s": per_s,
                             "seconds_to_target": round(updates / per_s, 1) if updates else None}
         ddp_s = row.get("ddp", {}).get("seconds_to_target")
@@ -54,11 +82,12 @@ def derive(ttl: dict[str, Any], rates: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("ttl", type=Path, help="two_nodes.py --time-to-loss output")
-    parser.add_argument("rates", type=Path, nargs="+", help="two_nodes.py rates output(s) with the same settings")
+    parser.add_argument("--ttl", type=Path, nargs="+", required=True, help="two_nodes.py --time-to-loss output(s)")
+    parser.add_argument("--rates", type=Path, nargs="+", required=True,
+                        help="two_nodes.py rates output(s) with the same settings")
     args = parser.parse_args()
-    ttl = json.loads(args.ttl.read_text())
-    print(json.dumps(derive(ttl, [json.loads(p.read_text()) for p in args.rates]), indent=1))
+    ttls = [json.loads(p.read_text()) for p in args.ttl]
+    print(json.dumps(derive(ttls, [json.loads(p.read_text()) for p in args.rates]), indent=1))
 
 
 if __name__ == "__main__":

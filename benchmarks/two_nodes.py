@@ -262,6 +262,9 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["strategy:powersgd_rank=4", "strategy:powersgd_rank=32"])
     parser.add_argument("--ttl-steps", type=int, default=600, help="updates per time-to-loss run (the cap)")
     parser.add_argument("--target-step", type=int, default=400, help="ddp's update whose val loss is the target")
+    parser.add_argument("--no-slow-start-after-idle", action="store_true",
+                        help="net.ipv4.tcp_slow_start_after_idle=0 in both namespaces: TCP keeps its window over idle "
+                             "gaps (a sync every H updates leaves the link idle in between)")
     args = parser.parse_args()
     work = args.work_dir.resolve()
     missing = [n for n in ("world", "tokens", "tokenizer.json", "dvae.pt") if not (work / n).exists()]
@@ -273,6 +276,11 @@ def main() -> None:
     report: dict[str, Any] = {"work_dir": str(work), "rank": args.rank, "per_node": args.per_node, "cpu": _cpu(),
                               "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as scratch, two_hosts.TwoHosts() as hosts:
+        if args.no_slow_start_after_idle:
+            for ns in hosts.names:
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+                               check=True)
+            report["tcp_slow_start_after_idle"] = 0
         if args.time_to_loss:
             report.update(ttl_steps=args.ttl_steps, target_step=args.target_step,
                           time_to_loss=time_to_loss_mode(args, hosts, work, Path(scratch)))
