@@ -190,7 +190,7 @@ def _buffers(rank: int, world_size: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     module = WithBatchNorm()
     data = torch.utils.data.TensorDataset(torch.randn(12, 4) + 3 * rank)  # each node sees other statistics
-    trainer(LocalStepsStrategy(devices_per_node=1, sync_every=2), devices=2, max_steps=3).fit(
+    trainer(LocalStepsStrategy(devices_per_node=1, sync_every=2, block_patterns=["net.0"]), devices=2, max_steps=3).fit(
         module, torch.utils.data.DataLoader(data, batch_size=4))
     return [*module.running, module.net[1].running_mean.clone()]
 

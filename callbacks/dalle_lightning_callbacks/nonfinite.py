@@ -93,8 +93,8 @@ class NonFiniteGuard(pl.Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         bad_loss, self._bad_loss = self._bad_loss, None
-        if _plugin_counts(trainer) is not None:
-            return  # the plugin has checked (and will skip) this update
+        if _plugin_counts(trainer) is not None or getattr(trainer.strategy, "skips_nonfinite_updates", False):
+            return  # the plugin or the strategy has checked (and skips) this update
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = bool(bad_loss) if bad_loss is not None else False
         bad = bad or not all_finite([_local(p.grad) for p in params])

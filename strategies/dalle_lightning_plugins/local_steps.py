@@ -147,16 +147,24 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         grads = [local_shard(p.grad) for p in params if p.grad is not None]
         whole = [p for p in params if not hasattr(p, "to_local")]
         if group is None:  # one device per node: the node's decision is this rank's own, no collective
-            return bool(finite_per_tensor(grads).all()) if grads else True
-        flags = agree_step_flags(grads, whole=whole, group=group, device=self.root_device)
+            finite = bool(finite_per_tensor(grads).all()) if grads else True
+        else:
+            flags = agree_step_flags(grads, whole=whole, group=group, device=self.root_device)
+            finite = flags.finite
+        if not finite:
+            if self.powersgd is not None:
+                self.powersgd.count_skip()  # where the non-finite callback counts a strategy's skips
+            return False
+        if group is None:
+            return True
         replicated = [p for p in self.inter_node.replicated if p.grad is not None]
-        if flags.finite and replicated and group is not None:
+        if replicated:
             flat = torch.cat([p.grad.reshape(-1).float() for p in replicated])
             dist.all_reduce(flat, group=group)
             flat.div_(shard.size())
             for p, chunk in zip(replicated, flat.split([p.grad.numel() for p in replicated])):
                 p.grad.copy_(chunk.view(p.grad.shape))
-        return flags.finite
+        return True
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -63,3 +63,18 @@ class OverlapChoice:
         overlapped_s, end_s = (float(v) for v in medians.cpu())
         self.chosen = overlapped_s <= end_s
         self.medians_ms = (1e3 * overlapped_s, 1e3 * end_s)
+
+    # A resumed run continues the schedule, and keeps the decision, of the run it resumes: the two paths give the
+    # same update only within fp32 rounding, so the path of every update must be the one the run would have taken.
+
+    def state_dict(self) -> dict[str, object]:
+        return {"updates": self.updates, "times": {k: list(v) for k, v in self._times.items()},
+                "chosen": self.chosen, "medians_ms": self.medians_ms}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if self.mode != "auto":
+            return  # a fixed path was asked for
+        self.updates = int(state["updates"])  # type: ignore[arg-type]
+        self._times = {bool(k): list(v) for k, v in state["times"].items()}  # type: ignore[union-attr]
+        self.chosen = state["chosen"]  # type: ignore[assignment]
+        self.medians_ms = state["medians_ms"]  # type: ignore[assignment]

@@ -103,6 +103,10 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
     # Gradients are averaged (FSDP's reduce-scatter, then PowerSGD's mean), never summed: the precision plugin
     # reads this to set the paper's M (see ``ResblockScalingPrecision``).
     gradient_reduction = "mean"
+    # The strategy agrees on non-finite gradients among the ranks that share an update and skips it itself (counted
+    # in ``powersgd.stats.skipped_steps``): a callback that would all-reduce the same decision need not (under
+    # LocalStepsStrategy that all-reduce would cross the slow link on every update).
+    skips_nonfinite_updates = True
 
     def __init__(
         self,

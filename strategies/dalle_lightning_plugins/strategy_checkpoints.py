@@ -46,6 +46,7 @@ from dalle_lightning_plugins.dcp_checkpoint import (
 from dalle_lightning_plugins.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 
 POWERSGD_KEY = "powersgd"
+OVERLAP_CHOICE_KEY = "overlap_choice"  # overlap="auto"'s schedule and decision, inside each rank's state
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
 # Buffers stay whole on every rank and differ by the last step (each rank's forward updates rank 0's broadcast
 # running statistics with its own batch, as under ddp); DCP keeps one copy of a key that every rank saves, so each
@@ -58,6 +59,7 @@ class ShardedCheckpointing:
 
     checkpoint_format: str
     powersgd: Any
+    inter_node: Any  # the strategy's InterNodeReduction (its overlap=auto choice is per-rank state too)
     _checkpoint_io: CheckpointIO | None
 
     @property
@@ -107,11 +109,14 @@ class ShardedCheckpointing:
         """What each rank keeps of its own in a checkpoint besides the model, optimizer and buffers: PowerSGD's
         state (Q, error buffers, counters); a subclass adds its own keys."""
         assert self.powersgd is not None
-        return self.powersgd.state_dict()
+        return {**self.powersgd.state_dict(), OVERLAP_CHOICE_KEY: self.inter_node.choice.state_dict()}
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         assert self.powersgd is not None
+        choice = state.pop(OVERLAP_CHOICE_KEY, None)
         self.powersgd.load_state_dict(state)
+        if choice is not None:
+            self.inter_node.choice.load_state_dict(choice)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
