@@ -73,7 +73,10 @@ TIMER = ["+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.St
 LINK = ["+callbacks.link_bytes._target_=dalle_lightning_callbacks.link_bytes.LinkBytes",
         "+callbacks.link_bytes.skip=10"]
 BASE = ["stage=prior", "experiment=shapes", "callbacks.fid=null", "callbacks.sample_grid=null",
-        "callbacks.checkpoint=null", "trainer.num_nodes=2", "trainer.enable_progress_bar=false",
+        # no checkpoints at all: with callbacks.checkpoint=null Lightning still adds its own, saving at every epoch's
+        # end, and under the strategies each rank's state (error buffers; local steps' weights) then crosses the link
+        "callbacks.checkpoint=null", "+trainer.enable_checkpointing=false", "trainer.num_nodes=2",
+        "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false",
         *TIMER, *LINK]
 NO_VAL = ["trainer.limit_val_batches=0"]
