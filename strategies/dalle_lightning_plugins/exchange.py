@@ -402,16 +402,16 @@ def _row_span(p: nn.Parameter) -> tuple[int, int, int]:
 
 
 @torch.no_grad()
-def average_whole(params: Sequence[nn.Parameter]) -> bool:
-    """Average the gradients of parameters every rank holds whole over every rank (one all-reduce); False if
-    one is non-finite (the same answer on every rank, as the values are then equal)."""
+def average_whole(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> bool:
+    """Average the gradients of parameters every rank holds whole over ``group`` (None: every rank; one
+    all-reduce); False if one is non-finite (the same answer on every rank, as the values are then equal)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return True
     flat = torch.cat([g.reshape(-1).float() for g in grads])
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat.div_(world)
     for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(chunk.view(g.shape))

@@ -197,12 +197,13 @@ def full_parameters(root: nn.Module, reshard_after_forward: bool) -> Generator[N
 
 
 @torch.no_grad()
-def broadcast_buffers(module: nn.Module) -> None:
-    """Every rank takes rank 0's buffers (as ``ddp(broadcast_buffers=True)`` before each forward)."""
+def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of ``group`` (None: every rank) takes the group's first rank's buffers (as
+    ``ddp(broadcast_buffers=True)`` before each forward)."""
     buffers = [b for b in module.buffers()
                if not isinstance(b, DTensor) and (b.is_floating_point() or b.dtype in (torch.int64, torch.int32))]
     if buffers:
-        broadcast_flat(buffers, None)
+        broadcast_flat(buffers, group)
 
 
 @torch.no_grad()

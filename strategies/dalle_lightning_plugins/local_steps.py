@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dalle_lightning_plugins import fsdp_wiring
-from dalle_lightning_plugins.exchange import ExchangeError
+from dalle_lightning_plugins.exchange import ExchangeError, average_whole
 from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.outer_step import OuterStep
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
@@ -157,28 +157,15 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             return False
         if group is None:
             return True
-        replicated = [p for p in self.inter_node.replicated if p.grad is not None]
-        if replicated:
-            flat = torch.cat([p.grad.reshape(-1).float() for p in replicated])
-            dist.all_reduce(flat, group=group)
-            flat.div_(shard.size())
-            for p, chunk in zip(replicated, flat.split([p.grad.numel() for p in replicated])):
-                p.grad.copy_(chunk.view(p.grad.shape))
+        average_whole(self.inter_node.replicated, group)  # finite: checked above
         return True
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # The parent broadcasts rank 0's buffers (batch-norm statistics) before every synchronised forward, over
-        # every rank: here only within the node (nodes talk at syncs), and over every rank at each sync.
-        if self._root is not None:
-            self._root.units_ran.clear()
-        module = self.lightning_module
+    def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
+        # The parent broadcasts rank 0's buffers (batch-norm statistics) over every rank before each synchronised
+        # forward: here only within the node (nodes talk at syncs), and over every rank at each sync.
         shard = self.device_mesh["shard"]
-        if self._synchronised_step and torch.is_grad_enabled() and shard.size() > 1 and module is not None:
-            buffers = _broadcastable_buffers(module)
-            if buffers:
-                fsdp_wiring.broadcast_flat(buffers, shard.get_group())
-        return super(ShardedPowerSGDStrategy, self).training_step(*args, **kwargs)
+        return (shard.get_group() if shard.size() > 1 else None), shard.size()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
@@ -202,9 +189,8 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             shards = [t for _, t in self._named_shards()]
             ok = self.outer.sync(shards, mesh["replicate"].get_group() if replicas > 1 else None, replicas)
             self._sync_s += time.perf_counter() - start
-            buffers = _broadcastable_buffers(self.lightning_module)
-            if buffers and self.world_size > 1:
-                fsdp_wiring.broadcast_flat(buffers, None)  # one model again: rank 0's buffers everywhere
+            if self.world_size > 1 and self.lightning_module is not None:
+                fsdp_wiring.broadcast_buffers(self.lightning_module)  # one model again: rank 0's buffers everywhere
             return ok
         except (RuntimeError, dist.DistError) as error:
             failed = ExchangeError("the outer step's all-reduce (the pseudo-gradient)", error)
@@ -287,10 +273,3 @@ if STRATEGY_NAME not in StrategyRegistry:
     StrategyRegistry.register(STRATEGY_NAME, LocalStepsStrategy,
                               description="FSDP2 within a node, the nodes synchronised every sync_every updates (DiLoCo)")
 
-
-def _broadcastable_buffers(module: nn.Module | None) -> list[torch.Tensor]:
-    """The buffers ``ddp`` would broadcast (as the parent's :func:`fsdp_wiring.broadcast_buffers` picks them)."""
-    if module is None:
-        return []
-    return [b for b in module.buffers() if not hasattr(b, "to_local")
-            and (b.is_floating_point() or b.dtype in (torch.int64, torch.int32))]

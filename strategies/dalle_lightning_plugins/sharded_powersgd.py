@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.init import _materialize_distributed_module, _materialize_meta_tensors
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
@@ -374,12 +375,17 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # As ddp (``broadcast_buffers=True``): every rank starts a synchronised forward from rank 0's buffers, so
         # batch-norm running statistics stay one model's rather than drifting apart per rank.
-        if self._synchronised_step and torch.is_grad_enabled() and self.world_size > 1:
+        group, size = self._buffer_scope()
+        if self._synchronised_step and torch.is_grad_enabled() and size > 1:
             assert self.lightning_module is not None
-            fsdp_wiring.broadcast_buffers(self.lightning_module)
+            fsdp_wiring.broadcast_buffers(self.lightning_module, group)
         if self._root is not None:
             self._root.units_ran.clear()  # forwards outside training (validation) do not count
         return super().training_step(*args, **kwargs)
+
+    def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
+        """The ranks that share rank 0's buffers before each synchronised forward, and how many: every rank."""
+        return None, self.world_size
 
     @override
     def optimizer_step(
