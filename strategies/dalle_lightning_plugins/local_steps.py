@@ -28,7 +28,12 @@ What it does as a Lightning user expects:
 
 Metrics: ``local_steps/updates_since_sync``, ``local_steps/inter_node_bytes_per_update`` (this rank's bytes over
 every sync of the fit divided by the updates), ``local_steps/syncs``, ``local_steps/skipped_syncs``,
-``local_steps/sync_ms`` (the mean wall time of a sync, waiting for the other nodes included).
+``local_steps/sync_ms`` (the updates' wall time spent in syncs, per sync: sending, waiting for the other nodes,
+applying; with ``sync_delay`` the wire time hidden behind inner updates is not in it).
+
+Streaming: ``fragments``, ``sync_delay`` and ``local_mix`` (:mod:`dalle_lightning_plugins.outer_step`) sync the
+model in parts, each overlapping inner updates. Then replicas never all agree between syncs, but the global
+copy does on every rank holding the same shard; the fit's last sync gives every node the global weights.
 """
 
 from __future__ import annotations
@@ -71,7 +76,14 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         outer_lr, outer_momentum, outer_nesterov: the outer SGD. DiLoCo's 0.7 and 0.9 (Nesterov) were tuned at
             H = 500 on language models; on the demo prior at H = 10 momentum 0.9 lands 19% above ``ddp``'s loss
             after 400 updates and 0.5 3% above (docs/results.md, "nodes that talk every H updates").
-        outer_comm_dtype: wire dtype of the pseudo-gradient: float32, or bfloat16 / float16 (half the bytes).
+        outer_comm_dtype: wire of the pseudo-gradient: float32, bfloat16 / float16 (half the bytes) or int8 (a
+            quarter, all-gathered: :mod:`dalle_lightning_plugins.outer_wire`).
+        fragments: parameter fragments synced in turn, staggered over the ``sync_every`` updates (Streaming
+            DiLoCo); 1: the whole model at each sync.
+        sync_delay: inner updates a sync overlaps: the pseudo-gradient leaves at one update and its mean is
+            applied ``sync_delay`` updates later (0: the update that starts a sync waits for it).
+        local_mix: when a sync lands, a node's weights become ``local_mix * local + (1 - local_mix) * global``
+            (Streaming DiLoCo's mixing; 0: the global weights, DiLoCo). The fit's last sync always ends at 0.
     """
 
     strategy_name = STRATEGY_NAME
@@ -85,6 +97,9 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         outer_momentum: float = 0.5,
         outer_nesterov: bool = True,
         outer_comm_dtype: torch.dtype | str = torch.float32,
+        fragments: int = 1,
+        sync_delay: int = 0,
+        local_mix: float = 0.0,
         block_classes: Sequence[type[nn.Module] | str] | None = None,
         block_patterns: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
@@ -102,6 +117,14 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             raise ValueError(f"outer_lr={outer_lr!r}, expected a positive outer learning rate (DiLoCo: 0.7)")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum={outer_momentum!r}, expected a momentum in [0, 1) (DiLoCo's: 0.9)")
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
+            raise ValueError(f"fragments={fragments!r}, expected 1 to sync_every={sync_every} fragments (each "
+                             "fragment syncs at its own update of the cycle)")
+        if isinstance(sync_delay, bool) or not isinstance(sync_delay, int) or not 0 <= sync_delay < sync_every:
+            raise ValueError(f"sync_delay={sync_delay!r}, expected 0 to sync_every - 1 = {sync_every - 1} updates "
+                             "(a sync must land before its fragment's next one leaves)")
+        if not 0 <= local_mix < 1:
+            raise ValueError(f"local_mix={local_mix!r}, expected the local weights' share in [0, 1)")
         super().__init__(
             devices_per_node, block_classes=block_classes, block_patterns=block_patterns,
             reshard_after_forward=reshard_after_forward, prefetch_depth=prefetch_depth,
@@ -109,10 +132,10 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             overlap=False, process_group_backend=process_group_backend, timeout=timeout,
             checkpoint_format=checkpoint_format)
         self.sync_every = sync_every
-        self.outer = OuterStep(outer_lr, outer_momentum, outer_nesterov, outer_comm_dtype)
+        self.outer = OuterStep(outer_lr, outer_momentum, outer_nesterov, outer_comm_dtype, sync_every=sync_every,
+                               fragments=fragments, delay=sync_delay, local_mix=local_mix)
         self._started = False  # the outer state holds this fit's global weights
         self._updates = 0  # this fit's updates, for the bytes per update
-        self._sync_s = 0.0  # this fit's seconds in syncs (waiting for the other nodes included)
 
     # ------------------------------------------------------------------ setup
 
@@ -131,7 +154,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
 
     def _start_cycle(self) -> None:
         self.outer.start(self._named_shards())
-        self._started, self._updates, self._sync_s = True, 0, 0.0
+        self._started, self._updates = True, 0
 
     # ------------------------------------------------------------------ the step
 
@@ -173,27 +196,25 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         if not self._started:
             self._start_cycle()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.outer.updates_since_sync += 1
         self._updates += 1
-        if self.outer.updates_since_sync >= self.sync_every:
-            self.sync()
+        self._outer(lambda shards, group, replicas: self.outer.after_update(shards, group, replicas))
         self._log()
         return output
 
-    def sync(self) -> bool:
-        """Collective over every rank: the outer step (see :mod:`dalle_lightning_plugins.outer_step`)."""
-        mesh = self.device_mesh
-        replicas = mesh["replicate"].size()
+    def _outer(self, call: Callable[[list[torch.Tensor], dist.ProcessGroup | None, int], Any]) -> Any:
+        """Collective over every rank: the outer step's part of this update (see
+        :mod:`dalle_lightning_plugins.outer_step`); where a sync landed, rank 0's buffers go everywhere."""
+        replicate = self.device_mesh["replicate"]
+        replicas = replicate.size()
         start = time.perf_counter()
         try:
-            shards = [t for _, t in self._named_shards()]
-            ok = self.outer.sync(shards, mesh["replicate"].get_group() if replicas > 1 else None, replicas)
-            self._sync_s += time.perf_counter() - start
-            if self.world_size > 1 and self.lightning_module is not None:
+            landed = call([t for _, t in self._named_shards()], replicate.get_group() if replicas > 1 else None,
+                          replicas)
+            if landed and self.world_size > 1 and self.lightning_module is not None:
                 fsdp_wiring.broadcast_buffers(self.lightning_module)  # one model again: rank 0's buffers everywhere
-            return ok
+            return landed
         except (RuntimeError, dist.DistError) as error:
-            failed = ExchangeError("the outer step's all-reduce (the pseudo-gradient)", error)
+            failed = ExchangeError("the outer step's exchange (the pseudo-gradient)", error)
             raise RuntimeError(self.inter_node.failure(failed, time.perf_counter() - start)) from error
 
     def _log(self) -> None:
@@ -210,13 +231,13 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         return {"local_steps/updates_since_sync": float(self.outer.updates_since_sync),
                 "local_steps/inter_node_bytes_per_update": self.outer.bytes_sent / max(self._updates, 1),
                 "local_steps/syncs": float(self.outer.syncs),
-                "local_steps/sync_ms": 1e3 * self._sync_s / max(self.outer.syncs + self.outer.skipped_syncs, 1),
+                "local_steps/sync_ms": 1e3 * self.outer.blocked_s / max(self.outer.syncs + self.outer.skipped_syncs, 1),
                 "local_steps/skipped_syncs": float(self.outer.skipped_syncs)}
 
     @override
     def on_train_end(self) -> None:
-        if self._started and self.outer.updates_since_sync:
-            self.sync()  # a fit that stops between syncs leaves the global model
+        if self._started:  # a fit that stops between syncs, or with syncs on the wire, leaves the global model
+            self._outer(self.outer.finish)
         super().on_train_end()
         figures = self.inter_node.figures  # PowerSGD's counters are the parent's: nothing is compressed here
         for key in [k for k in figures if k.startswith("powersgd/")]:
