@@ -66,10 +66,11 @@ STREAMING = dict(sync_every=H, fragments=FRAGMENTS, sync_delay=DELAY, local_mix=
                  outer_momentum=OUTER_MOMENTUM)
 
 
-def streaming_reference() -> dict[str, torch.Tensor]:
+def streaming_reference(keep: bool) -> dict[str, torch.Tensor]:
     """The algorithm in one process: 2 nodes' models (node r reads items r, r + 2, ..., 2 per batch), inner SGD,
     fragment k (``split_fragments``) leaving at updates k + 1, k + 1 + H, ..., its mean pseudo-gradient applied by
-    Nesterov SGD one update later, the local weights mixed half and half; at the end the pending sync lands, the
+    Nesterov SGD one update later, each node's weights half its own and half the new global weights plus its
+    update since the send (``keep``: ``keep_overlapped``, else the new global weights alone); at the end the pending sync lands, the
     fragments that moved since their last send are averaged unmixed, and both nodes take the global weights."""
     torch.manual_seed(0)
     first = TinyResNet()
@@ -85,17 +86,23 @@ def streaming_reference() -> dict[str, torch.Tensor]:
     def pseudo(k: int) -> list[torch.Tensor]:
         return [glob[i] - sum(list(n.parameters())[i].detach() for n in nodes) / 2 for i in parts[k]]
 
-    def land(k: int, mean: list[torch.Tensor], mix: float) -> None:
+    def own(k: int) -> list[list[torch.Tensor]]:
+        return [[glob[i] - list(n.parameters())[i].detach() for i in parts[k]] for n in nodes]
+
+    def land(k: int, mean: list[torch.Tensor], mix: float, owns: list[list[torch.Tensor]] | None) -> None:
+        old = [glob[i].clone() for i in parts[k]]
         for i, g in zip(parts[k], mean):
             glob[i].grad = g
         outer.step()
-        for i in parts[k]:
+        for j, i in enumerate(parts[k]):
             glob[i].grad = None
-            for n in nodes:
+            for r, n in enumerate(nodes):
                 p = list(n.parameters())[i]
-                p.data = mix * p.data + (1 - mix) * glob[i]
+                # the target: the new global weights plus what the node did since the send (local - local_at_send)
+                target = glob[i] + (p.data - (old[j] - owns[r][j])) if owns else glob[i]
+                p.data = mix * p.data + (1 - mix) * target
 
-    pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (update it lands at, fragment, mean)
+    pending: list[tuple[int, int, list[torch.Tensor], list]] = []  # (update it lands at, fragment, mean, owns)
     last_send = [0, 0]
     for u in range(1, STEPS + 1):
         for r, (n, opt) in enumerate(zip(nodes, inner)):
@@ -103,18 +110,18 @@ def streaming_reference() -> dict[str, torch.Tensor]:
             opt.zero_grad()
             loss_fn(n, tokens[idx], targets[idx]).backward()
             opt.step()
-        for due, k, mean in [p for p in pending if p[0] == u]:
-            land(k, mean, MIX)
+        for due, k, mean, owns in [p for p in pending if p[0] == u]:
+            land(k, mean, MIX, owns)
         pending = [p for p in pending if p[0] != u]
         for k in range(FRAGMENTS):
             if u >= k + 1 and (u - (k + 1)) % H == 0:
-                pending.append((u + DELAY, k, pseudo(k)))
+                pending.append((u + DELAY, k, pseudo(k), own(k) if keep else None))
                 last_send[k] = u
-    for _, k, mean in pending:
-        land(k, mean, MIX)
+    for _, k, mean, owns in pending:
+        land(k, mean, MIX, owns)
     for k in range(FRAGMENTS):
         if last_send[k] < STEPS:
-            land(k, pseudo(k), 0.0)
+            land(k, pseudo(k), 0.0, None)
     for i, g in enumerate(glob):
         for n in nodes:
             list(n.parameters())[i].data = g.clone()
@@ -136,11 +143,11 @@ class GlobalAgreement(L.Callback):
         self.divergence.append(trainer.strategy.replica_divergence())
 
 
-def _streaming(rank: int, world_size: int) -> dict:
+def _streaming(rank: int, world_size: int, keep: bool) -> dict:
     external_launch_env(rank)
     torch.manual_seed(0)
     module = TinyModule(TinyResNet(), functools.partial(torch.optim.SGD, lr=INNER_LR))
-    strategy = LocalStepsStrategy(devices_per_node=1, **STREAMING)
+    strategy = LocalStepsStrategy(devices_per_node=1, keep_overlapped=keep, **STREAMING)
     agreement = GlobalAgreement()
     trainer(strategy, devices=2, max_steps=STEPS, callbacks=[agreement]).fit(
         module, loader(token_dataset(), rank, world_size=2))
@@ -150,9 +157,10 @@ def _streaming(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_streamed_delayed_mixed_syncs_follow_the_algorithm_written_out() -> None:
-    res = run_distributed(_streaming, 2, timeout=180)[0]
-    for name, want in streaming_reference().items():
+@pytest.mark.parametrize("keep", [True, False])
+def test_streamed_delayed_mixed_syncs_follow_the_algorithm_written_out(keep: bool) -> None:
+    res = run_distributed(_streaming, 2, keep, timeout=180)[0]
+    for name, want in streaming_reference(keep).items():
         torch.testing.assert_close(res["weights"][name], want, atol=1e-6, rtol=0, msg=name)
     assert res["global_equal"] == [True] * STEPS
     assert all(d > 0 for d in res["divergence"]), res["divergence"]  # mixed, never all equal between syncs

@@ -84,6 +84,8 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             applied ``sync_delay`` updates later (0: the update that starts a sync waits for it).
         local_mix: when a sync lands, a node's weights become ``local_mix * local + (1 - local_mix) * global``
             (Streaming DiLoCo's mixing; 0: the global weights, DiLoCo). The fit's last sync always ends at 0.
+        keep_overlapped: when a delayed sync lands, keep the node's ``sync_delay`` updates made meanwhile on top of
+            the new global weights (False: drop them).
     """
 
     strategy_name = STRATEGY_NAME
@@ -100,6 +102,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         fragments: int = 1,
         sync_delay: int = 0,
         local_mix: float = 0.0,
+        keep_overlapped: bool = True,
         block_classes: Sequence[type[nn.Module] | str] | None = None,
         block_patterns: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
@@ -133,7 +136,8 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             checkpoint_format=checkpoint_format)
         self.sync_every = sync_every
         self.outer = OuterStep(outer_lr, outer_momentum, outer_nesterov, outer_comm_dtype, sync_every=sync_every,
-                               fragments=fragments, delay=sync_delay, local_mix=local_mix)
+                               fragments=fragments, delay=sync_delay, local_mix=local_mix,
+                               keep_overlapped=keep_overlapped)
         self._started = False  # the outer state holds this fit's global weights
         self._updates = 0  # this fit's updates, for the bytes per update
 

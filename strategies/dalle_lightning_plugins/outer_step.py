@@ -15,8 +15,11 @@ Streaming (Douillard et al. 2025, Streaming DiLoCo): the parameters may be split
 turn, fragment ``f`` first after ``round((f + 1) * H / F)`` updates and then every ``H``, so the link carries
 1/F of the model at a time; and a sync may overlap ``delay`` inner updates: the pseudo-gradient is put on the
 wire at update ``u`` and its mean applied at update ``u + delay``, where the fragment's local weights become
-``local_mix * local + (1 - local_mix) * global`` (the nodes' ``delay`` updates since the send are not thrown
-away when ``local_mix > 0``). With one fragment, no delay and ``local_mix = 0`` this is DiLoCo exactly.
+``global + (local - local_at_send)`` with ``keep_overlapped`` (the default: the ``delay`` updates each node made
+while the sync was on the wire are kept, on top of the new global weights, and go into its next pseudo-gradient),
+or ``global`` without; and ``local_mix`` of the node's own weights is kept besides (Streaming DiLoCo's mixing:
+``local_mix * local + (1 - local_mix) * target``). With one fragment, no delay and ``local_mix = 0`` this is
+DiLoCo exactly.
 
 The global weights and the momentum are fp32 whatever the parameters' dtype; the pseudo-gradient may travel as
 bf16 or int8 (``comm_dtype``, :mod:`dalle_lightning_plugins.outer_wire`), halving or quartering the bytes. A sync whose average is not finite on some rank changes no
@@ -44,6 +47,7 @@ class Pending:
     due: int
     flight: InFlight | None = None
     mean: torch.Tensor | None = None
+    own: torch.Tensor | None = None  # this rank's pseudo-gradient at the send (``keep_overlapped``, delay > 0)
 
     def result(self) -> torch.Tensor:
         if self.mean is None:
@@ -77,13 +81,17 @@ class OuterStep:
         fragments: parameter fragments synced in turn (1: the whole model at once).
         delay: inner updates a sync overlaps (0: the sync blocks the update that starts it).
         local_mix: the local weights' share when a sync lands (0: every node takes the global weights).
+        keep_overlapped: when a delayed sync lands, add each node's updates since the send to the global weights
+            (False: they are dropped, as Streaming DiLoCo's merge at ``local_mix = 0``).
     """
 
     def __init__(self, lr: float, momentum: float, nesterov: bool, comm_dtype: torch.dtype | str,
-                 sync_every: int = 1, fragments: int = 1, delay: int = 0, local_mix: float = 0.0) -> None:
+                 sync_every: int = 1, fragments: int = 1, delay: int = 0, local_mix: float = 0.0,
+                 keep_overlapped: bool = True) -> None:
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.comm_dtype = resolve_outer_wire(comm_dtype)
         self.sync_every, self.fragments, self.delay, self.local_mix = sync_every, fragments, delay, local_mix
+        self.keep_overlapped = keep_overlapped
         self.names: list[str] = []
         self.global_weights: list[torch.Tensor] = []
         self.parts: list[list[int]] = []
@@ -155,9 +163,10 @@ class OuterStep:
             raise ValueError(f"{len(shards)} parameter shards, the outer state holds {len(self.global_weights)}")
         idx = self.parts[k]
         flat = torch.cat([(self.global_weights[i] - shards[i].detach().float()).reshape(-1) for i in idx])
+        own = flat.clone() if self.keep_overlapped and delay > 0 else None  # an fp32 wire is reduced in place
         flight = start_average(flat, self.comm_dtype, group, replicas)
         self.bytes_sent += flight.bytes
-        self.pending.append(Pending(k, delay, flight=flight))
+        self.pending.append(Pending(k, delay, flight=flight, own=own))
         self.since[k] = 0
 
     def _land_due(self, shards: Sequence[torch.Tensor], flag_group: dist.ProcessGroup | None,
@@ -175,6 +184,7 @@ class OuterStep:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=flag_group)
         idx = self.parts[p.fragment]
         finite = not bool(bad.item())
+        before = [self.global_weights[i].clone() for i in idx] if finite and p.own is not None else None
         if finite:
             for i, chunk in zip(idx, mean.split([self.global_weights[i].numel() for i in idx])):
                 self.global_weights[i].grad = chunk.view(self.global_weights[i].shape)
@@ -185,6 +195,12 @@ class OuterStep:
             self.syncs += 1
         else:
             self.skipped_syncs += 1
+        if before is not None:  # local_at_send = before - own: the target is global + (local - local_at_send)
+            own = p.own.split([self.global_weights[i].numel() for i in idx])
+            for i, old, mine in zip(idx, before, own):
+                step = self.global_weights[i] - old + mine.view(old.shape)
+                shards[i].add_(step.to(shards[i].dtype), alpha=1.0 - mix)
+            return
         for i in idx:
             if finite and mix > 0:
                 shards[i].lerp_(self.global_weights[i].to(shards[i].dtype), 1.0 - mix)
@@ -196,7 +212,8 @@ class OuterStep:
         assert self.optimizer is not None
         return {"global": {n: g.clone() for n, g in zip(self.names, self.global_weights)},
                 "optimizer": self.optimizer.state_dict(), "since": list(self.since),
-                "pending": [{"fragment": p.fragment, "due": p.due, "mean": p.result().clone()} for p in self.pending],
+                "pending": [{"fragment": p.fragment, "due": p.due, "mean": p.result().clone(), "own": p.own}
+                            for p in self.pending],
                 "syncs": self.syncs, "skipped_syncs": self.skipped_syncs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -214,5 +231,6 @@ class OuterStep:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state["optimizer"])
         self.since = [int(s) for s in since]
-        self.pending = [Pending(int(p["fragment"]), int(p["due"]), mean=p["mean"]) for p in state.get("pending", [])]
+        self.pending = [Pending(int(p["fragment"]), int(p["due"]), mean=p["mean"], own=p.get("own"))
+                        for p in state.get("pending", [])]
         self.syncs, self.skipped_syncs = int(state["syncs"]), int(state["skipped_syncs"])
