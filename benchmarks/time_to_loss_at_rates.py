@@ -22,19 +22,42 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dalle_lightning_plugins.powersgd import DEFAULT_RANK
+
+
+# Keys that change what an update computes but neither its bytes nor its time: a rates run of the setting without
+# them stands for it.
+TIME_NEUTRAL = ("outer_lr", "outer_momentum", "outer_nesterov", "local_mix", "keep_overlapped")
+STRATEGY_YAML = {"local": "local_steps.yaml", "strategy": "sharded_powersgd.yaml"}
+CONF = Path(__file__).resolve().parent.parent / "conf" / "strategy"
+
+
+def normal_form(setting: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    """``method:key=value,...`` as (method, the keys that differ from the strategy's yaml default, less
+    :data:`TIME_NEUTRAL`): ``local`` and ``local:sync_every=10,outer_lr=0.7`` are one rates entry; the overlap
+    default ``strategy_auto`` stands for ``strategy`` (the exchange path gives the same update either way)."""
+    method, _, extra = setting.partition(":")
+    method = "strategy" if method in ("strategy", "strategy_auto") else method
+    defaults: dict[str, str] = {}
+    if method in STRATEGY_YAML:
+        import yaml
+
+        defaults = {k: str(v).lower() for k, v in yaml.safe_load((CONF / STRATEGY_YAML[method]).read_text()).items()}
+        defaults["powersgd_rank"] = str(DEFAULT_RANK)  # null in the yaml: the plugins' default rank, as two_nodes.py --rank
+    keys = set()
+    for item in filter(None, extra.split(",")):
+        key, _, value = item.partition("=")
+        if key not in TIME_NEUTRAL and defaults.get(key) != value.lower():
+            keys.add((key, value.lower()))
+    return method, frozenset(keys)
+
 
 def rate_key(setting: str, entry: dict[str, Any]) -> str | None:
-    """The rates report's name for a setting's step time: the setting itself, else the same setting without the
-    keys that change neither bytes nor step time (the outer step's learning rate and momentum; the exchange path,
-    which gives the same update either way: the overlap default ``strategy_auto`` stands for ``strategy``)."""
+    """The rates report's name for a setting's step time: the entry with the same :func:`normal_form`."""
     if setting in entry:
         return setting
-    method, _, extra = setting.partition(":")
-    kept = ",".join(i for i in extra.split(",") if i and not i.startswith(("outer_lr=", "outer_momentum=",
-                                                                              "outer_nesterov=")))
-    method = "strategy_auto" if method == "strategy" else method
-    name = f"{method}:{kept}" if kept else method
-    return name if name in entry else None
+    want = normal_form(setting)
+    return next((name for name, v in entry.items() if isinstance(v, dict) and normal_form(name) == want), None)
 
 
 def merge_curves(ttls: list[dict[str, Any]]) -> dict[str, Any]:

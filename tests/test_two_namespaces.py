@@ -184,21 +184,28 @@ def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.T
 
 LOCAL_RUN = ("trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "strategy.sync_every=4",
              "strategy.checkpoint_format=full", f"strategy.timeout={TIMEOUT_S}")
+# Streamed: 2 fragments (sent at updates 2 and 4, 6), each landing an update later, on the int8 wire. The checkpoint
+# after update 2 holds fragment 0's sync still on the wire; update 4's send starts over the dead link and the
+# failure comes at its landing.
+STREAMED = ("strategy.fragments=2", "strategy.sync_delay=1", "strategy.outer_comm_dtype=int8")
 
 
+@pytest.mark.parametrize("mode", ["blocking", "streamed"])
 def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
-        hosts: two_hosts.TwoHosts, work: Path, tmp_path: Path) -> None:
+        hosts: two_hosts.TwoHosts, work: Path, tmp_path: Path, mode: str) -> None:
     """Paused after update 3, the link goes down: update 4's sync fails on both nodes; the newest checkpoint is
     update 2's, two updates into the cycle (each node's own weights and inner optimizer state in it)."""
+    run = (*LOCAL_RUN, *(STREAMED if mode == "streamed" else ()))
+    name = f"local-{mode}"
     want_runs = tmp_path / "straight"
-    assert wait(start(hosts, work, "local/straight", 1, *LOCAL_RUN, runs=want_runs, strategy="local_steps"),
-                timeout=240) == [0, 0], tail(logs(work, "local/straight"))
+    assert wait(start(hosts, work, f"{name}/straight", 1, *run, runs=want_runs, strategy="local_steps"),
+                timeout=240) == [0, 0], tail(logs(work, f"{name}/straight"))
     runs, flag = tmp_path / "runs", tmp_path / "hold"
-    agents = start(hosts, work, "local/broken", 1, *LOCAL_RUN, "+callbacks.pause._target_=tests.pause_at.PauseAt",
+    agents = start(hosts, work, f"{name}/broken", 1, *run, "+callbacks.pause._target_=tests.pause_at.PauseAt",
                    f"+callbacks.pause.flag={flag}", "+callbacks.pause.update=3", runs=runs, strategy="local_steps")
     deadline = time.monotonic() + 120
     while not flag.with_suffix(".paused").exists():
-        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), tail(logs(work, "local/broken"))
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), tail(logs(work, f"{name}/broken"))
         time.sleep(0.2)
     hosts.set_link(False)
     flag.with_suffix(".go").touch()
@@ -206,15 +213,15 @@ def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
     codes = wait(agents, timeout=6 * TIMEOUT_S + 30)
     ended = time.monotonic() - started
     hosts.set_link(True)
-    text = logs(work, "local/broken")
+    text = logs(work, f"{name}/broken")
     assert all(code not in (0, -999) for code in codes), tail(text)
     assert ended < 4 * TIMEOUT_S + 20, f"{ended:.0f} s to end\n{tail(text)}"
-    assert "the outer step's all-reduce (the pseudo-gradient) with node(s)" in text, tail(text)
+    assert "the outer step's exchange (the pseudo-gradient) with node(s)" in text, tail(text)
     _no_process_left(hosts)
-    resumed = start(hosts, work, "local/resumed", 1, *LOCAL_RUN, "resume=auto", runs=runs, strategy="local_steps")
-    assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, "local/resumed"))
-    got = torch.load(work / "local" / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
-    want = torch.load(work / "local" / "straight" / "prior.pt", map_location="cpu", weights_only=False)
+    resumed = start(hosts, work, f"{name}/resumed", 1, *run, "resume=auto", runs=runs, strategy="local_steps")
+    assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, f"{name}/resumed"))
+    got = torch.load(work / name / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
+    want = torch.load(work / name / "straight" / "prior.pt", map_location="cpu", weights_only=False)
     got, want = got.get("state_dict", got), want.get("state_dict", want)
     for key, value in want.items():
         if torch.is_tensor(value):

@@ -17,7 +17,8 @@ from PIL import Image, ImageDraw, ImageFont
 from dalle_lightning_callbacks.image_files import save_image
 
 Point = tuple[float, float]
-COLOURS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
+COLOURS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127), (23, 190, 207)]
 PANEL_W, PANEL_H = 360, 280
 LEFT, RIGHT, TOP, BOTTOM = 62, 14, 30, 46
 
@@ -31,6 +32,9 @@ class Panel:
     series: dict[str, list[Point]]
     xlabel: str = "N (candidates reranked)"
     ylim: tuple[float, float] | None = None  # fixed y range (e.g. (0, 1) for accuracy); None: fit the data
+    xticks: list[float] | None = None  # x values with a grid line and label; None: every x of the data
+    hline: float | None = None  # a reference level (a target), drawn as a dashed grey line
+    markers: bool = True  # a dot at every point (off for dense curves)
 
 
 @dataclass
@@ -79,8 +83,9 @@ def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: 
     draw = ImageDraw.Draw(image)
     left, top, right, bottom = ax.box
     grey, black = (225, 225, 225), (0, 0, 0)
-    xs = sorted({x for pts in panel.series.values() for x, _ in pts})
-    for x in xs:  # vertical grid line and label at every N
+    xs = ([t for t in panel.xticks if ax.xlim[0] <= t <= ax.xlim[1]] if panel.xticks
+          else sorted({x for pts in panel.series.values() for x, _ in pts}))
+    for x in xs:  # vertical grid line and label at every N (or tick)
         px, _ = ax.to_pixel(x, ax.ylim[0])
         draw.line([(px, top), (px, bottom)], fill=grey)
         draw.text((px, bottom + 4), _fmt(x), fill=black, font=font, anchor="ma")
@@ -90,6 +95,10 @@ def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: 
         draw.line([(left, py), (right, py)], fill=grey)
         draw.text((left - 4, py), _fmt(y), fill=black, font=font, anchor="rm")
     draw.rectangle([left, top, right, bottom], outline=black)
+    if panel.hline is not None and ax.ylim[0] <= panel.hline <= ax.ylim[1]:
+        _, py = ax.to_pixel(xs[0], panel.hline)
+        for x0 in range(left, right, 8):
+            draw.line([(x0, py), (min(x0 + 4, right), py)], fill=(90, 90, 90), width=1)
     draw.text(((left + right) // 2, origin[1] + 8), panel.title, fill=black, font=font, anchor="ma")
     draw.text(((left + right) // 2, bottom + 24), panel.xlabel, fill=black, font=font, anchor="ma")
     label = Image.new("RGB", (bottom - top, 14), "white")  # the y label, rotated to run up the axis
@@ -102,10 +111,10 @@ def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: 
     legend_top = top + 8 if upper <= lower else bottom - 8 - 14 * len(panel.series)
     for k, (name, pts) in enumerate(panel.series.items()):
         colour = COLOURS[k % len(COLOURS)]
-        pixels = [ax.to_pixel(x, y) for x, y in sorted(pts)]
+        pixels = [ax.to_pixel(x, y) for x, y in sorted(pts) if ax.ylim[0] <= y <= ax.ylim[1]]
         if len(pixels) > 1:
             draw.line(pixels, fill=colour, width=2)
-        for px, py in pixels:
+        for px, py in pixels if panel.markers else []:
             draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=colour)
         ly = legend_top + 14 * k
         draw.line([(right - 110, ly), (right - 92, ly)], fill=colour, width=3)
