@@ -134,7 +134,7 @@ def test_settings_that_do_not_fit_fail_in_one_line() -> None:
                           ({"outer_momentum": 1.0}, r"outer_momentum=1.0, expected a momentum in \[0, 1\)"),
                           ({"outer_comm_dtype": "int4"}, r"outer_comm_dtype"),
                           ({"sync_every": 4, "fragments": 5}, r"fragments=5, expected 1 to sync_every=4"),
-                          ({"sync_every": 4, "sync_delay": 4}, r"sync_delay=4, expected 0 to sync_every - 1 = 3"),
+                          ({"sync_every": 4, "sync_delay": 5}, r"sync_delay=5, expected 0 to sync_every=4"),
                           ({"local_mix": 1.0}, r"local_mix=1.0, expected")]:
         with pytest.raises(ValueError, match=match):
             LocalStepsStrategy(**kwargs)

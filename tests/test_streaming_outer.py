@@ -61,15 +61,15 @@ def test_every_wire_averages_over_the_replicas() -> None:
         assert bool((err <= bound * (1 + 1e-5)).all()) and err.max() > 0, (wire, float((err / bound).max()))
 
 
-H, FRAGMENTS, DELAY, MIX, INNER_LR, OUTER_LR, OUTER_MOMENTUM, STEPS = 2, 2, 1, 0.5, 0.3, 0.7, 0.5, 5
-STREAMING = dict(sync_every=H, fragments=FRAGMENTS, sync_delay=DELAY, local_mix=MIX, outer_lr=OUTER_LR,
+H, FRAGMENTS, MIX, INNER_LR, OUTER_LR, OUTER_MOMENTUM, STEPS = 2, 2, 0.5, 0.3, 0.7, 0.5, 5
+STREAMING = dict(sync_every=H, fragments=FRAGMENTS, local_mix=MIX, outer_lr=OUTER_LR,
                  outer_momentum=OUTER_MOMENTUM)
 
 
-def streaming_reference(keep: bool) -> dict[str, torch.Tensor]:
+def streaming_reference(keep: bool, delay: int) -> dict[str, torch.Tensor]:
     """The algorithm in one process: 2 nodes' models (node r reads items r, r + 2, ..., 2 per batch), inner SGD,
     fragment k (``split_fragments``) leaving at updates k + 1, k + 1 + H, ..., its mean pseudo-gradient applied by
-    Nesterov SGD one update later, each node's weights half its own and half the new global weights plus its
+    Nesterov SGD ``delay`` updates later, each node's weights half its own and half the new global weights plus its
     update since the send (``keep``: ``keep_overlapped``, else the new global weights alone); at the end the pending sync lands, the
     fragments that moved since their last send are averaged unmixed, and both nodes take the global weights."""
     torch.manual_seed(0)
@@ -115,7 +115,7 @@ def streaming_reference(keep: bool) -> dict[str, torch.Tensor]:
         pending = [p for p in pending if p[0] != u]
         for k in range(FRAGMENTS):
             if u >= k + 1 and (u - (k + 1)) % H == 0:
-                pending.append((u + DELAY, k, pseudo(k), own(k) if keep else None))
+                pending.append((u + delay, k, pseudo(k), own(k) if keep else None))
                 last_send[k] = u
     for _, k, mean, owns in pending:
         land(k, mean, MIX, owns)
@@ -143,11 +143,11 @@ class GlobalAgreement(L.Callback):
         self.divergence.append(trainer.strategy.replica_divergence())
 
 
-def _streaming(rank: int, world_size: int, keep: bool) -> dict:
+def _streaming(rank: int, world_size: int, keep: bool, delay: int) -> dict:
     external_launch_env(rank)
     torch.manual_seed(0)
     module = TinyModule(TinyResNet(), functools.partial(torch.optim.SGD, lr=INNER_LR))
-    strategy = LocalStepsStrategy(devices_per_node=1, keep_overlapped=keep, **STREAMING)
+    strategy = LocalStepsStrategy(devices_per_node=1, keep_overlapped=keep, sync_delay=delay, **STREAMING)
     agreement = GlobalAgreement()
     trainer(strategy, devices=2, max_steps=STEPS, callbacks=[agreement]).fit(
         module, loader(token_dataset(), rank, world_size=2))
@@ -157,10 +157,10 @@ def _streaming(rank: int, world_size: int, keep: bool) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("keep", [True, False])
-def test_streamed_delayed_mixed_syncs_follow_the_algorithm_written_out(keep: bool) -> None:
-    res = run_distributed(_streaming, 2, keep, timeout=180)[0]
-    for name, want in streaming_reference(keep).items():
+@pytest.mark.parametrize(("keep", "delay"), [(True, 1), (False, 1), (True, H)])  # H: lands as the next one leaves
+def test_streamed_delayed_mixed_syncs_follow_the_algorithm_written_out(keep: bool, delay: int) -> None:
+    res = run_distributed(_streaming, 2, keep, delay, timeout=180)[0]
+    for name, want in streaming_reference(keep, delay).items():
         torch.testing.assert_close(res["weights"][name], want, atol=1e-6, rtol=0, msg=name)
     assert res["global_equal"] == [True] * STEPS
     assert all(d > 0 for d in res["divergence"]), res["divergence"]  # mixed, never all equal between syncs

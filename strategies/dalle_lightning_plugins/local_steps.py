@@ -123,9 +123,9 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
             raise ValueError(f"fragments={fragments!r}, expected 1 to sync_every={sync_every} fragments (each "
                              "fragment syncs at its own update of the cycle)")
-        if isinstance(sync_delay, bool) or not isinstance(sync_delay, int) or not 0 <= sync_delay < sync_every:
-            raise ValueError(f"sync_delay={sync_delay!r}, expected 0 to sync_every - 1 = {sync_every - 1} updates "
-                             "(a sync must land before its fragment's next one leaves)")
+        if isinstance(sync_delay, bool) or not isinstance(sync_delay, int) or not 0 <= sync_delay <= sync_every:
+            raise ValueError(f"sync_delay={sync_delay!r}, expected 0 to sync_every={sync_every} updates (a sync "
+                             "must land before its fragment's next one leaves)")
         if not 0 <= local_mix < 1:
             raise ValueError(f"local_mix={local_mix!r}, expected the local weights' share in [0, 1)")
         super().__init__(
