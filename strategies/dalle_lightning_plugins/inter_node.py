@@ -191,7 +191,7 @@ class InterNodeReduction:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         timeout = self.timeout.total_seconds() if self.timeout is not None else None
         return (f"node {self.global_rank // self.per_node} (rank {self.global_rank}): {what} with node(s) {nodes} "
-                f"failed {seconds:.1f} s into the step's exchange (timeout {timeout:g} s): {first}; "
+                f"failed after {seconds:.1f} s (timeout {timeout:g} s): {first}; "
                 "the link or a peer node is down")
 
     # ------------------------------------------------------------------ figures

@@ -51,6 +51,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dalle_lightning_plugins import fsdp_wiring
+from dalle_lightning_plugins.collective_failures import OneLineCollectiveFailures
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
 from dalle_lightning_plugins.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot
@@ -67,7 +68,7 @@ STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
 
 
-class ShardedPowerSGDStrategy(ShardedCheckpointing, ModelParallelStrategy):
+class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, ModelParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
 
     Args:

@@ -1,0 +1,54 @@
+"""Lightning's own collectives under the strategies fail in one line too, naming the nodes they waited for.
+
+The strategies turn a failed exchange between nodes into one line (``InterNodeReduction.failure``). But Lightning
+also talks over every rank outside the exchange: ``ModelCheckpoint`` agrees on whether a file exists
+(``reduce_boolean_decision``: an all-reduce and a barrier), metrics logged with ``sync_dist`` are reduced, the
+loops broadcast and wait at barriers. When the link goes down while a sync is on the wire (local steps with
+``sync_delay``), the first collective to notice is often one of these, and it surfaced as gloo's bare
+``Application timeout caused pair closure``. :class:`OneLineCollectiveFailures` wraps them: same message shape,
+naming the collective.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from typing_extensions import override
+
+from dalle_lightning_plugins.exchange import ExchangeError
+
+
+class OneLineCollectiveFailures:
+    """Mixin before a Lightning ``ParallelStrategy`` with an ``inter_node`` (``InterNodeReduction``)."""
+
+    inter_node: Any
+
+    @contextmanager
+    def _named_collective(self, what: str) -> Generator[None, None, None]:
+        start = time.perf_counter()
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as error:
+            if str(error).startswith("node "):  # already one of ours
+                raise
+            failed = ExchangeError(what, error)
+            raise RuntimeError(self.inter_node.failure(failed, time.perf_counter() - start)) from error
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._named_collective("Lightning's barrier"):
+            super().barrier(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        with self._named_collective("Lightning's reduce (a checkpoint's decision or a logged metric)"):
+            return super().reduce(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        with self._named_collective("Lightning's broadcast"):
+            return super().broadcast(*args, **kwargs)  # type: ignore[misc]
