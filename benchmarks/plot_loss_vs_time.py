@@ -22,7 +22,8 @@ from dalle_lightning.evaluation.plot import Panel, line_chart
 FROM_STEP = 50  # the first updates' loss (4.4 at update 10) would flatten the part that decides
 YLIM = (0.68, 1.0)  # around ddp's targets (0.7466 at 2 x 1, 0.7044 at 2 x 2): where the curves cross them
 XTICKS = [15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0]
-SHORT = {"ddp": "ddp", "strategy_auto": "PowerSGD r32", "strategy": "PowerSGD r32", "local": "local H10"}
+SHORT = {"ddp": "ddp", "strategy_auto": "PowerSGD r32", "strategy": "PowerSGD r32", "local": "local int8 d1"}
+QUIET = {"sync_every=10", "outer_lr=0.7", "outer_momentum=0.5", "sync_delay=0"}  # local steps' defaults, or none
 
 
 def label(setting: str) -> str:
@@ -32,10 +33,13 @@ def label(setting: str) -> str:
     method, _, extra = setting.partition(":")
     words = ["PowerSGD" if method.startswith("strategy") else method]
     for item in filter(None, extra.split(",")):
+        if item in QUIET:
+            continue
         key, _, value = item.partition("=")
-        words.append({"outer_comm_dtype": value.replace("bfloat16", "bf16"), "sync_delay": f"d{value}",
-                      "sync_every": f"H{value}", "fragments": f"F{value}", "powersgd_rank": f"r{value}", "outer_lr": f"lr{value}",
-                      "outer_momentum": f"m{value}", "keep_overlapped": "drop" if value == "false" else "keep",
+        words.append({"outer_comm_dtype": value.replace("bfloat16", "bf16").replace("float32", "fp32"),
+                      "sync_delay": f"d{value}", "sync_every": f"H{value}", "fragments": f"F{value}",
+                      "powersgd_rank": f"r{value}", "outer_lr": f"lr{value}", "outer_momentum": f"m{value}",
+                      "keep_overlapped": "drop" if value == "false" else "keep",
                       "local_mix": f"mix{value}"}.get(key, item))
     return " ".join(words)
 

@@ -1,6 +1,8 @@
 """``LocalStepsStrategy`` (DiLoCo): nodes that train apart and synchronise every ``sync_every`` updates.
 
-Real gloo processes, the tiny residual model of ``tests/test_strategy_common.py``:
+Real gloo processes, the tiny residual model of ``tests/test_strategy_common.py``. The exact properties are
+DiLoCo's own blocking fp32 sync (``BLOCKING``); the defaults (int8, ``sync_delay=1``) in the resume test here and in
+``tests/test_streaming_outer.py``:
 
 - with one inner update per sync, outer learning rate 1 and no momentum, the outer step is the mean of the
   nodes' weights after one SGD step each from the same weights: exactly synchronous data-parallel SGD
@@ -8,7 +10,7 @@ Real gloo processes, the tiny residual model of ``tests/test_strategy_common.py`
 - replicas differ between syncs and agree after every one (``replica_divergence``), a fit that stops between syncs
   ends with one, gradient accumulation counts updates, a second fit (a new Trainer) starts a new cycle;
 - a checkpoint saved mid-cycle changes nothing, and a run resumed from it (from other initial weights) lands
-  exactly on the uninterrupted run's weights, in both checkpoint formats;
+  exactly on the uninterrupted run's weights, in both checkpoint formats, at the defaults;
 - settings that do not fit together fail in one line.
 """
 
@@ -27,6 +29,7 @@ from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, reference_sgd, token_dataset, trainer
 
 LR, STEPS = 0.5, 3
+BLOCKING = dict(outer_comm_dtype="float32", sync_delay=0)  # DiLoCo itself: every sync blocks, in fp32
 
 
 def _weights(module: L.LightningModule, strategy: LocalStepsStrategy) -> dict[str, torch.Tensor]:
@@ -37,7 +40,7 @@ def _dp_equivalent(rank: int, world_size: int, per_node: int) -> dict[str, torch
     external_launch_env(rank)
     torch.manual_seed(0)
     module = TinyModule(TinyResNet(), functools.partial(torch.optim.SGD, lr=LR))
-    strategy = LocalStepsStrategy(devices_per_node=per_node, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    strategy = LocalStepsStrategy(devices_per_node=per_node, sync_every=1, outer_lr=1.0, outer_momentum=0.0, **BLOCKING)
     trainer(strategy, devices=world_size, max_steps=STEPS).fit(module, loader(token_dataset(), rank, world_size=world_size))
     return _weights(module, strategy)
 
@@ -67,7 +70,7 @@ def _cycles(rank: int, world_size: int) -> dict:
     module = TinyModule(TinyResNet(), functools.partial(torch.optim.AdamW, lr=0.05))
     out = {}
     for fit, (steps, accumulate) in enumerate([(5, 1), (3, 2)]):  # the second fit: a new Trainer, same model
-        strategy = LocalStepsStrategy(devices_per_node=1, sync_every=2)
+        strategy = LocalStepsStrategy(devices_per_node=1, sync_every=2, **BLOCKING)
         divergence = Divergence()
         trainer(strategy, devices=2, max_steps=steps, accumulate_grad_batches=accumulate,
                 callbacks=[divergence]).fit(module, loader(token_dataset(), rank, world_size=2))
@@ -193,7 +196,7 @@ def _buffers(rank: int, world_size: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     module = WithBatchNorm()
     data = torch.utils.data.TensorDataset(torch.randn(12, 4) + 3 * rank)  # each node sees other statistics
-    trainer(LocalStepsStrategy(devices_per_node=1, sync_every=2, block_patterns=["net.0"]), devices=2, max_steps=3).fit(
+    trainer(LocalStepsStrategy(devices_per_node=1, sync_every=2, block_patterns=["net.0"], **BLOCKING), devices=2, max_steps=3).fit(
         module, torch.utils.data.DataLoader(data, batch_size=4))
     return [*module.running, module.net[1].running_mean.clone()]
 

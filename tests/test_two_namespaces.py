@@ -188,6 +188,7 @@ LOCAL_RUN = ("trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2"
 # after update 2 holds fragment 0's sync still on the wire; update 4's send starts over the dead link and the
 # failure comes at its landing.
 STREAMED = ("strategy.fragments=2", "strategy.sync_delay=1", "strategy.outer_comm_dtype=int8")
+BLOCKING = ("strategy.sync_delay=0", "strategy.outer_comm_dtype=float32")  # DiLoCo's own sync: update 4 waits for it
 
 
 @pytest.mark.parametrize("mode", ["blocking", "streamed"])
@@ -195,7 +196,7 @@ def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
         hosts: two_hosts.TwoHosts, work: Path, tmp_path: Path, mode: str) -> None:
     """Paused after update 3, the link goes down: update 4's sync fails on both nodes; the newest checkpoint is
     update 2's, two updates into the cycle (each node's own weights and inner optimizer state in it)."""
-    run = (*LOCAL_RUN, *(STREAMED if mode == "streamed" else ()))
+    run = (*LOCAL_RUN, *(STREAMED if mode == "streamed" else BLOCKING))
     name = f"local-{mode}"
     want_runs = tmp_path / "straight"
     assert wait(start(hosts, work, f"{name}/straight", 1, *run, runs=want_runs, strategy="local_steps"),

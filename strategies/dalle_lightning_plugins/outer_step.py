@@ -3,7 +3,7 @@
 Between syncs every node trains its own copy of the model with the LightningModule's optimizer (the *inner*
 steps); the nodes do not talk. At a sync each rank takes, for its shard of every parameter, the
 *pseudo-gradient* ``global - local`` (how far its node moved since the last sync, with the sign of a gradient),
-averages it with the ranks holding the same shard on the other nodes (one all-reduce over the replicate group),
+averages it with the ranks holding the same shard on the other nodes (one collective over the replicate group),
 and lets an outer optimizer, Nesterov SGD (Douillard et al. 2023, DiLoCo: learning rate 0.7, momentum 0.9),
 apply it to the global weights; every node then continues from the new global weights.
 
@@ -22,8 +22,9 @@ or ``global`` without; and ``local_mix`` of the node's own weights is kept besid
 DiLoCo exactly.
 
 The global weights and the momentum are fp32 whatever the parameters' dtype; the pseudo-gradient may travel as
-bf16 or int8 (``comm_dtype``, :mod:`dalle_lightning_plugins.outer_wire`), halving or quartering the bytes. A sync whose average is not finite on some rank changes no
-global weight (the decision is agreed over every rank) and every node restarts from the global weights.
+bf16 or int8 (``comm_dtype``, :mod:`dalle_lightning_plugins.outer_wire`), halving or quartering the bytes. A
+sync whose average is not finite on some rank changes no global weight (the decision is agreed over every rank)
+and every node restarts from the fragment's global weights.
 """
 
 from __future__ import annotations
