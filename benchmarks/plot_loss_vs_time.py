@@ -90,6 +90,9 @@ def main() -> None:
             raise SystemExit(f"error: --panel {shape} {derived}: expected at least one --time-to-loss report after it")
         drawn += panels(shape, json.loads(Path(derived).read_text()), curves([Path(t) for t in ttls]), args.rates,
                         args.settings)
+    labels = list(dict.fromkeys(name for panel in drawn for name in panel.series))
+    for panel in drawn:  # a setting keeps its colour in every panel
+        panel.colour_of = {name: labels.index(name) for name in labels}
     line_chart(drawn, args.out)
 
 

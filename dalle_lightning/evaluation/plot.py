@@ -35,6 +35,7 @@ class Panel:
     xticks: list[float] | None = None  # x values with a grid line and label; None: every x of the data
     hline: float | None = None  # a reference level (a target), drawn as a dashed grey line
     markers: bool = True  # a dot at every point (off for dense curves)
+    colour_of: dict[str, int] | None = None  # a series' colour index by label (one colour per label across panels)
 
 
 @dataclass
@@ -110,7 +111,7 @@ def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: 
     lower = sum(1 for px, py in points if px > (left + right) / 2 and py >= (top + bottom) / 2)
     legend_top = top + 8 if upper <= lower else bottom - 8 - 14 * len(panel.series)
     for k, (name, pts) in enumerate(panel.series.items()):
-        colour = COLOURS[k % len(COLOURS)]
+        colour = COLOURS[(panel.colour_of or {}).get(name, k) % len(COLOURS)]
         pixels = [ax.to_pixel(x, y) for x, y in sorted(pts) if ax.ylim[0] <= y <= ax.ylim[1]]
         if len(pixels) > 1:
             draw.line(pixels, fill=colour, width=2)
