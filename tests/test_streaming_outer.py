@@ -62,7 +62,7 @@ def test_every_wire_averages_over_the_replicas() -> None:
 
 
 H, FRAGMENTS, MIX, INNER_LR, OUTER_LR, OUTER_MOMENTUM, STEPS = 2, 2, 0.5, 0.3, 0.7, 0.5, 5
-STREAMING = dict(sync_every=H, fragments=FRAGMENTS, local_mix=MIX, outer_lr=OUTER_LR,
+STREAMING = dict(sync_every=H, fragments=FRAGMENTS, local_mix=MIX, outer_comm_dtype="float32", outer_lr=OUTER_LR,
                  outer_momentum=OUTER_MOMENTUM)
 
 
