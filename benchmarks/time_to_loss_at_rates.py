@@ -18,9 +18,12 @@ settings).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from dalle_lightning_plugins.powersgd import DEFAULT_RANK
 
@@ -32,18 +35,23 @@ STRATEGY_YAML = {"local": "local_steps.yaml", "strategy": "sharded_powersgd.yaml
 CONF = Path(__file__).resolve().parent.parent / "conf" / "strategy"
 
 
+@functools.lru_cache
+def yaml_defaults(method: str) -> dict[str, str]:
+    """The strategy yaml's values as override strings (read once per method; none for ``ddp`` and the like)."""
+    if method not in STRATEGY_YAML:
+        return {}
+    defaults = {k: str(v).lower() for k, v in yaml.safe_load((CONF / STRATEGY_YAML[method]).read_text()).items()}
+    defaults["powersgd_rank"] = str(DEFAULT_RANK)  # null in the yaml: the plugins' default rank, as two_nodes.py --rank
+    return defaults
+
+
 def normal_form(setting: str) -> tuple[str, frozenset[tuple[str, str]]]:
     """``method:key=value,...`` as (method, the keys that differ from the strategy's yaml default, less
     :data:`TIME_NEUTRAL`): ``local`` and ``local:sync_every=10,outer_lr=0.7`` are one rates entry; the overlap
     default ``strategy_auto`` stands for ``strategy`` (the exchange path gives the same update either way)."""
     method, _, extra = setting.partition(":")
     method = "strategy" if method in ("strategy", "strategy_auto") else method
-    defaults: dict[str, str] = {}
-    if method in STRATEGY_YAML:
-        import yaml
-
-        defaults = {k: str(v).lower() for k, v in yaml.safe_load((CONF / STRATEGY_YAML[method]).read_text()).items()}
-        defaults["powersgd_rank"] = str(DEFAULT_RANK)  # null in the yaml: the plugins' default rank, as two_nodes.py --rank
+    defaults = yaml_defaults(method)
     keys = set()
     for item in filter(None, extra.split(",")):
         key, _, value = item.partition("=")

@@ -203,7 +203,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             self._start_cycle()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._updates += 1
-        self._outer(lambda shards, group, replicas: self.outer.after_update(shards, group, replicas))
+        self._outer(self.outer.after_update)
         self._log()
         return output
 

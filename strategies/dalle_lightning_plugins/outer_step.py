@@ -123,24 +123,22 @@ class OuterStep:
         self.blocked_s = 0.0
 
     @torch.no_grad()
-    def after_update(self, shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: int,
-                     flag_group: dist.ProcessGroup | None = None) -> int:
+    def after_update(self, shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: int) -> int:
         """Count one inner update; apply the syncs due now, then send the fragments due now (collective).
         Returns how many syncs landed."""
         start, landed = time.perf_counter(), self.syncs + self.skipped_syncs
         self.since = [s + 1 for s in self.since]
         for p in self.pending:
             p.due -= 1
-        self._land_due(shards, flag_group)
+        self._land_due(shards)
         for k in [k for k, s in enumerate(self.since) if s >= self.sync_every]:
             self._send(k, shards, group, replicas, self.delay)
-        self._land_due(shards, flag_group)  # delay 0: the send's own result
+        self._land_due(shards)  # delay 0: the send's own result
         self.blocked_s += time.perf_counter() - start
         return self.syncs + self.skipped_syncs - landed
 
     @torch.no_grad()
-    def finish(self, shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: int,
-               flag_group: dist.ProcessGroup | None = None) -> bool:
+    def finish(self, shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: int) -> bool:
         """The end of a fit: apply what is on the wire, then sync every fragment that moved since its last send
         and give every node the global weights. False: nothing was left to do."""
         if not self.pending and not any(self.since):
@@ -148,10 +146,10 @@ class OuterStep:
         start = time.perf_counter()
         for p in self.pending:
             p.due = 0
-        self._land_due(shards, flag_group)
+        self._land_due(shards)
         for k in [k for k, s in enumerate(self.since) if s > 0]:
             self._send(k, shards, group, replicas, 0)
-        self._land_due(shards, flag_group, mix=0.0)
+        self._land_due(shards, mix=0.0)
         for k in range(self.fragments):  # landed earlier with local_mix > 0: the global weights everywhere now
             for i in self.parts[k]:
                 shards[i].copy_(self.global_weights[i])
@@ -170,19 +168,17 @@ class OuterStep:
         self.pending.append(Pending(k, delay, flight=flight, own=own))
         self.since[k] = 0
 
-    def _land_due(self, shards: Sequence[torch.Tensor], flag_group: dist.ProcessGroup | None,
-                  mix: float | None = None) -> None:
+    def _land_due(self, shards: Sequence[torch.Tensor], mix: float | None = None) -> None:
         due = [p for p in self.pending if p.due <= 0]
         self.pending = [p for p in self.pending if p.due > 0]
         for p in due:  # in send order: every rank lands the same syncs in the same order
-            self._land(p, shards, flag_group, self.local_mix if mix is None else mix)
+            self._land(p, shards, self.local_mix if mix is None else mix)
 
-    def _land(self, p: Pending, shards: Sequence[torch.Tensor], flag_group: dist.ProcessGroup | None,
-              mix: float) -> None:
+    def _land(self, p: Pending, shards: Sequence[torch.Tensor], mix: float) -> None:
         mean = p.result()
         bad = (~torch.isfinite(mean).all()).to(torch.uint8).reshape(1)
-        if dist.is_initialized() and dist.get_world_size(flag_group) > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=flag_group)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank: all shards step, or none
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         idx = self.parts[p.fragment]
         finite = not bool(bad.item())
         before = [self.global_weights[i].clone() for i in idx] if finite and p.own is not None else None
