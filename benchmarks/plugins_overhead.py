@@ -40,16 +40,22 @@ BOUNDARY_OPS = ("ToBranch", "FromBranch")
 
 
 def reference_step(precision: str, shape: str) -> Callable[[], None]:
+    """Lightning's ``MixedPrecision`` step on the CPU (:func:`lightning_step`)."""
+    model, optimizer, text, image = build(shape)
+    return lightning_step(precision, "cpu", optimizer, lambda: model(text, image)["loss"])
+
+
+def lightning_step(precision: str, device: str, optimizer: torch.optim.Optimizer,
+                   loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     """Lightning's ``MixedPrecision`` step as its loop runs it: the forward under ``forward_context()`` (autocast
     over the whole model), the loss scaled by its GradScaler in fp16, unscale, step and ``update()``."""
-    plugin = (MixedPrecision("bf16-mixed", device="cpu") if precision == "bf16"
-              else MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu")))
-    model, optimizer, text, image = build(shape)
+    plugin = (MixedPrecision("bf16-mixed", device=device) if precision == "bf16"
+              else MixedPrecision("16-mixed", device=device, scaler=torch.amp.GradScaler(device)))
     scaler = plugin.scaler
 
     def step() -> None:
         with plugin.forward_context():
-            loss = model(text, image)["loss"]
+            loss = loss_fn()
         optimizer.zero_grad(set_to_none=True)
         if scaler is None:
             loss.backward()

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
-from tests.helpers.deep_residual import (DeepResidual, autocast_branches, branch_grads, cosine, regression_data,
-                                         squared_error)
+from tests.helpers.deep_residual import (DeepResidual, autocast_branches, branch_grads, cosine, plugin_update,
+                                         regression_data, squared_error)
 from tests.helpers.distributed import run_distributed
 
 
@@ -70,14 +70,7 @@ def _check_per_block_scales_keep_every_block(
     per_block = None
     for _ in range(40):
         skipped = plugin.scales.skipped
-
-        def closure() -> Tensor:
-            opt.zero_grad()
-            loss = squared_error(model, x, y)
-            loss.backward()
-            return loss
-
-        plugin.optimizer_step(opt, model, closure)
+        plugin_update(plugin, opt, model, x, y)
         if plugin.scales.skipped == skipped:
             per_block = branch_grads(model)
     plugin.teardown()

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dalle_lightning.models.regions import CompiledRegion, CompileMode, check_compile, wants_compiled
+
 LOGIT_LAPLACE_EPS = 0.1
 
 
@@ -73,10 +75,32 @@ def fp32_conv(n_in: int, n_out: int, kw: int) -> FP32Conv2d:
     return layer
 
 
+class ResPath(nn.Sequential):
+    """A block's residual branch (``res_path``, OpenAI's name): an ``nn.Sequential`` whose body is compiled as one
+    region under ``compile_mode`` (:mod:`dalle_lightning.models.regions`); hooks on it (the precision plugin's
+    boundaries, FSDP2's unit) stay outside the graph. Parameter names are those of the plain ``Sequential``."""
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], compile_mode: CompileMode = False) -> None:
+        super().__init__(layers)
+        self.compile_mode = check_compile(compile_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RES_PATH(self, x) if wants_compiled(self.compile_mode, x) else self._body(x)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+_RES_PATH = CompiledRegion(ResPath._body)
+
+
 class EncoderBlock(nn.Module):
     """Bottleneck resblock: id_path(x) + post_gain * res_path(x), res_path relu-3x3-relu-3x3-relu-3x3-relu-1x1."""
 
-    def __init__(self, n_in: int, n_out: int, n_layers: int, min_hidden: int = 0) -> None:
+    def __init__(self, n_in: int, n_out: int, n_layers: int, min_hidden: int = 0,
+                 compile_mode: CompileMode = False) -> None:
         super().__init__()
         if n_out % 4 != 0:
             raise ValueError(f"n_out={n_out} is not divisible by 4; expected a width with a n_out/4 bottleneck")
@@ -84,7 +108,7 @@ class EncoderBlock(nn.Module):
         # 1 / n_layers^2 keeps the sum of residual branches near the identity at initialisation.
         self.post_gain = 1 / n_layers**2
         self.id_path = conv(n_in, n_out, 1) if n_in != n_out else nn.Identity()
-        self.res_path = nn.Sequential(
+        self.res_path = ResPath(
             OrderedDict(
                 relu_1=nn.ReLU(),
                 conv_1=conv(n_in, n_hid, 3),
@@ -94,7 +118,8 @@ class EncoderBlock(nn.Module):
                 conv_3=conv(n_hid, n_hid, 3),
                 relu_4=nn.ReLU(),
                 conv_4=conv(n_hid, n_out, 1),
-            )
+            ),
+            compile_mode,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,14 +129,15 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     """Bottleneck resblock: id_path(x) + post_gain * res_path(x), res_path relu-1x1-relu-3x3-relu-3x3-relu-3x3."""
 
-    def __init__(self, n_in: int, n_out: int, n_layers: int, min_hidden: int = 0) -> None:
+    def __init__(self, n_in: int, n_out: int, n_layers: int, min_hidden: int = 0,
+                 compile_mode: CompileMode = False) -> None:
         super().__init__()
         if n_out % 4 != 0:
             raise ValueError(f"n_out={n_out} is not divisible by 4; expected a width with a n_out/4 bottleneck")
         n_hid = max(n_out // 4, min_hidden)
         self.post_gain = 1 / n_layers**2
         self.id_path = conv(n_in, n_out, 1) if n_in != n_out else nn.Identity()
-        self.res_path = nn.Sequential(
+        self.res_path = ResPath(
             OrderedDict(
                 relu_1=nn.ReLU(),
                 conv_1=conv(n_in, n_hid, 1),
@@ -121,7 +147,8 @@ class DecoderBlock(nn.Module):
                 conv_3=conv(n_hid, n_hid, 3),
                 relu_4=nn.ReLU(),
                 conv_4=conv(n_hid, n_out, 3),
-            )
+            ),
+            compile_mode,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,6 +176,7 @@ class Encoder(nn.Module):
         input_channels: int = 3,
         vocab_size: int = 8192,
         min_hidden: int = 0,
+        compile_mode: CompileMode = False,
     ) -> None:
         super().__init__()
         _check_config(group_count, n_hid, n_blk_per_group, vocab_size)
@@ -159,7 +187,7 @@ class Encoder(nn.Module):
         for g, width in enumerate(widths, start=1):
             group: OrderedDict[str, nn.Module] = OrderedDict()
             for i in range(1, n_blk_per_group + 1):
-                group[f"block_{i}"] = EncoderBlock(n_in, width, n_layers, min_hidden)
+                group[f"block_{i}"] = EncoderBlock(n_in, width, n_layers, min_hidden, compile_mode)
                 n_in = width
             if g < group_count:
                 group["pool"] = nn.MaxPool2d(kernel_size=2)
@@ -183,6 +211,7 @@ class Decoder(nn.Module):
         output_channels: int = 3,
         vocab_size: int = 8192,
         min_hidden: int = 0,
+        compile_mode: CompileMode = False,
     ) -> None:
         super().__init__()
         _check_config(group_count, n_hid, n_blk_per_group, vocab_size)
@@ -194,7 +223,7 @@ class Decoder(nn.Module):
         for g, width in enumerate(widths, start=1):
             group: OrderedDict[str, nn.Module] = OrderedDict()
             for i in range(1, n_blk_per_group + 1):
-                group[f"block_{i}"] = DecoderBlock(n_in, width, n_layers, min_hidden)
+                group[f"block_{i}"] = DecoderBlock(n_in, width, n_layers, min_hidden, compile_mode)
                 n_in = width
             if g < group_count:
                 group["upsample"] = nn.Upsample(scale_factor=2, mode="nearest")
@@ -221,7 +250,10 @@ class Decoder(nn.Module):
 
 
 class DiscreteVAE(nn.Module):
-    """Encoder + decoder + the relaxed ELB. Images are float [B, C, image_size, image_size] in [0, 1]."""
+    """Encoder + decoder + the relaxed ELB. Images are float [B, C, image_size, image_size] in [0, 1].
+
+    ``compile``: compile each resblock's residual branch as a region (``True``, ``False`` or ``"auto"``: where the
+    images are on CUDA); see :mod:`dalle_lightning.models.regions`."""
 
     relaxed = True  # trained through the Gumbel relaxation with a KL term: the temperature and KL schedules apply
 
@@ -237,8 +269,10 @@ class DiscreteVAE(nn.Module):
         eps: float = LOGIT_LAPLACE_EPS,
         codebook_init_std: float | None = None,
         block_min_hidden: int = 0,
+        compile: CompileMode = False,  # noqa: A002 - the config key users set
     ) -> None:
         super().__init__()
+        compile_mode = check_compile(compile)
         factor = 2 ** (group_count - 1)
         if image_size < 1 or image_size % factor != 0:
             raise ValueError(
@@ -254,8 +288,10 @@ class DiscreteVAE(nn.Module):
         self.channels = channels
         self.eps = eps
         self.downsample_factor = factor
-        self.encoder = Encoder(group_count, n_hid, n_blk_per_group, channels, vocab_size, block_min_hidden)
-        self.decoder = Decoder(group_count, codebook_dim, n_hid, n_blk_per_group, channels, vocab_size, block_min_hidden)
+        self.encoder = Encoder(group_count, n_hid, n_blk_per_group, channels, vocab_size, block_min_hidden,
+                               compile_mode)
+        self.decoder = Decoder(group_count, codebook_dim, n_hid, n_blk_per_group, channels, vocab_size,
+                               block_min_hidden, compile_mode)
         if codebook_init_std is not None:
             # The decoder's input conv is the codebook: with the paper's 1/sqrt(K) init its columns are so small
             # that the relaxed codes barely move the decoder, and a short run learns shapes but never colours

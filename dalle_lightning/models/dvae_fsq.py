@@ -26,6 +26,7 @@ import torch
 from vector_quantize_pytorch import FSQ
 
 from dalle_lightning.models.dvae import LOGIT_LAPLACE_EPS, DiscreteVAE
+from dalle_lightning.models.regions import CompileMode
 
 
 class FSQVAE(DiscreteVAE):
@@ -45,6 +46,7 @@ class FSQVAE(DiscreteVAE):
         eps: float = LOGIT_LAPLACE_EPS,
         latent_penalty: float = 0.0,
         block_min_hidden: int = 0,
+        compile: CompileMode = False,  # noqa: A002 - the config key users set
     ) -> None:
         if latent_penalty < 0:
             raise ValueError(f"latent_penalty={latent_penalty} is negative; expected a weight >= 0")
@@ -53,7 +55,7 @@ class FSQVAE(DiscreteVAE):
             raise ValueError(f"levels={levels}; expected one or more quantization levels per channel, each >= 3")
         # The parent's encoder head and decoder input width is its "vocab_size": here, the latent channels.
         super().__init__(image_size, len(levels), n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps,
-                         block_min_hidden=block_min_hidden)
+                         block_min_hidden=block_min_hidden, compile=compile)
         self.levels = levels
         self.vocab_size = math.prod(levels)
         self.latent_penalty = float(latent_penalty)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from vector_quantize_pytorch import VectorQuantize
 
 from dalle_lightning.models.dvae import LOGIT_LAPLACE_EPS, DiscreteVAE
+from dalle_lightning.models.regions import CompileMode
 
 
 class VQVAE(DiscreteVAE):
@@ -48,11 +49,12 @@ class VQVAE(DiscreteVAE):
         kmeans_init: bool = True,
         use_cosine_sim: bool = False,
         block_min_hidden: int = 0,
+        compile: CompileMode = False,  # noqa: A002 - the config key users set
     ) -> None:
         if latent_dim < 1:
             raise ValueError(f"latent_dim={latent_dim}; expected a positive code width")
         super().__init__(image_size, latent_dim, n_hid, n_blk_per_group, group_count, codebook_dim, channels, eps,
-                         block_min_hidden=block_min_hidden)
+                         block_min_hidden=block_min_hidden, compile=compile)
         self.vocab_size = int(vocab_size)
         self.threshold_ema_dead_code = float(threshold_ema_dead_code)
         self._threshold_checked = False

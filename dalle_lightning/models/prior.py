@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dalle_lightning.models.masks import ATTENTION_KINDS, layer_pattern
+from dalle_lightning.models.regions import CompiledRegion, CompileMode, check_compile, wants_compiled
 from dalle_lightning.models.sparse_attention import (
     ATTENTION_IMPLS,
     AttentionLayout,
@@ -66,12 +67,18 @@ class KVCache:
 
 
 class AttentionBranch(nn.Module):
-    """Residual branch ``LN -> multi-head masked attention -> projection`` (the caller adds it to the stream)."""
+    """Residual branch ``LN -> multi-head masked attention -> projection`` (the caller adds it to the stream).
 
-    def __init__(self, d_model: int, n_head: int, d_head: int, layout: AttentionLayout, impl: str, dropout: float):
+    Compiled (``compile_mode``), the two regions around the attention kernel are compiled, the kernel itself
+    runs as :func:`attention` dispatches it (FlexAttention compiled on its own, once per dtype for every layout),
+    so the layer's layout never enters the regions' guards and every layer shares their graphs."""
+
+    def __init__(self, d_model: int, n_head: int, d_head: int, layout: AttentionLayout, impl: str, dropout: float,
+                 compile_mode: CompileMode = False):
         super().__init__()
         self.n_head, self.d_head = n_head, d_head
         self.layout, self.impl = layout, impl
+        self.compile_mode = check_compile(compile_mode)
         self.ln = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * n_head * d_head)
         self.proj = nn.Linear(n_head * d_head, d_model)
@@ -88,10 +95,12 @@ class AttentionBranch(nn.Module):
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, length, self.n_head * self.d_head)))
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        q, k, v = self._qkv(x)
+        compiled = wants_compiled(self.compile_mode, x)
+        q, k, v = _QKV(self, x) if compiled else self._qkv(x)
         if kv is not None:
             kv.write(k, v, 0)
-        return self._out(attention(q, k, v, self.layout, self.impl))
+        y = attention(q, k, v, self.layout, self.impl)
+        return _OUT(self, y) if compiled else self._out(y)
 
     def decode(self, x: torch.Tensor, kv: LayerKV, pos: int) -> torch.Tensor:
         """One new image position ``pos`` (``x: [B, 1, d]``) against the cache: O(its mask row)."""
@@ -104,28 +113,39 @@ class AttentionBranch(nn.Module):
         return self._out(y.to(q.dtype))
 
 
-class MlpBranch(nn.Module):
-    """Residual branch ``LN -> Linear -> GELU -> Linear``."""
+_QKV = CompiledRegion(AttentionBranch._qkv)
+_OUT = CompiledRegion(AttentionBranch._out)
 
-    def __init__(self, d_model: int, mlp_ratio: int, dropout: float):
+
+class MlpBranch(nn.Module):
+    """Residual branch ``LN -> Linear -> GELU -> Linear``, compiled whole under ``compile_mode``."""
+
+    def __init__(self, d_model: int, mlp_ratio: int, dropout: float, compile_mode: CompileMode = False):
         super().__init__()
+        self.compile_mode = check_compile(compile_mode)
         self.ln = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, mlp_ratio * d_model)
         self.proj = nn.Linear(mlp_ratio * d_model, d_model)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MLP(self, x) if wants_compiled(self.compile_mode, x) else self._body(x)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(self.ln(x)))))
+
+
+_MLP = CompiledRegion(MlpBranch._body)
 
 
 class Layer(nn.Module):
     """Pre-LN transformer layer: ``x = x + attn(x); x = x + mlp(x)``."""
 
     def __init__(self, d_model: int, n_head: int, d_head: int, mlp_ratio: int, layout: AttentionLayout, impl: str,
-                 dropout: float):
+                 dropout: float, compile_mode: CompileMode = False):
         super().__init__()
-        self.attn = AttentionBranch(d_model, n_head, d_head, layout, impl, dropout)
-        self.mlp = MlpBranch(d_model, mlp_ratio, dropout)
+        self.attn = AttentionBranch(d_model, n_head, d_head, layout, impl, dropout, compile_mode)
+        self.mlp = MlpBranch(d_model, mlp_ratio, dropout, compile_mode)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         x = x + self.attn(x, kv)
@@ -161,7 +181,12 @@ def _pattern(attn_pattern: str | Sequence[str], n_layer: int) -> list[str]:
 
 
 class DallePrior(nn.Module):
-    """Text+image sparse transformer prior (see the module docstring for the stream layout)."""
+    """Text+image sparse transformer prior (see the module docstring for the stream layout).
+
+    ``attn_impl``: ``auto`` (FlexAttention on CUDA, the blocked kernel elsewhere), ``sparse``, ``flex`` or
+    ``dense`` (the reference). ``compile``: compile each residual branch's body (:mod:`dalle_lightning.models.regions`):
+    ``True``, ``False`` or ``"auto"`` (where the inputs are on CUDA).
+    """
 
     def __init__(
         self,
@@ -177,7 +202,8 @@ class DallePrior(nn.Module):
         row_window: int | None = None,
         conv_kernel: int | None = None,
         attn_pattern: str | Sequence[str] = "paper",
-        attn_impl: str = "sparse",
+        attn_impl: str = "auto",
+        compile: CompileMode = False,  # noqa: A002 - the config key users set
     ):
         super().__init__()
         for name, value in dict(text_vocab_size=text_vocab_size, text_len=text_len, image_vocab_size=image_vocab_size,
@@ -186,6 +212,7 @@ class DallePrior(nn.Module):
                 raise ValueError(f"{name}={value}; expected a positive integer")
         if attn_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attn_impl={attn_impl!r}; expected one of {ATTENTION_IMPLS}")
+        compile_mode = check_compile(compile)
         self.text_vocab_size, self.text_len = text_vocab_size, text_len
         self.image_vocab_size, self.image_grid = image_vocab_size, image_grid
         self.n_text = text_len + 1  # start vector + caption positions
@@ -204,7 +231,7 @@ class DallePrior(nn.Module):
         self.layers = nn.ModuleList(
             Layer(d_model, n_head, d_head, mlp_ratio,
                   AttentionLayout(kind, self.n_text, image_grid, image_grid, row_window, conv_kernel),
-                  attn_impl, dropout)
+                  attn_impl, dropout, compile_mode)
             for kind in _pattern(attn_pattern, n_layer)
         )
         self.ln_f = nn.LayerNorm(d_model)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dalle_lightning.models.flex import compiled_flex, flex_block_mask, flex_mask_mod
 from dalle_lightning.models.masks import (
     check_kind,
     default_conv_kernel,
@@ -35,7 +36,7 @@ from dalle_lightning.models.masks import (
     text_causal_mask,
 )
 
-ATTENTION_IMPLS = ("sparse", "dense", "flex")
+ATTENTION_IMPLS = ("auto", "sparse", "dense", "flex")
 
 
 @dataclass(frozen=True)
@@ -240,57 +241,32 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: AttentionL
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention
-def flex_mask_mod(layout: AttentionLayout):
-    """The layout's mask as a FlexAttention ``mask_mod(b, h, q, kv)``: pure index arithmetic (no dense lookup),
-    so ``create_block_mask`` can skip whole blocks and the CUDA kernel never touches them."""
-    t, w, kind = layout.n_text, layout.width, layout.kind
-    window, half = layout.window, layout.kernel // 2
-
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        qi, ki = q - t, kv - t
-        if kind == "row":
-            image_ok = qi - ki <= window
-        elif kind == "column":
-            image_ok = (qi % w) == (ki % w)
-        else:
-            image_ok = (torch.abs(qi // w - ki // w) <= half) & (torch.abs(qi % w - ki % w) <= half)
-        # Text queries see earlier text only (causality suffices); image queries see all text and masked image.
-        return (kv <= q) & ((kv < t) | ((q >= t) & image_ok))
-
-    return mask_mod
-
-
-@functools.lru_cache(maxsize=64)
-def flex_block_mask(layout: AttentionLayout, length: int, device: torch.device):
-    """A cached FlexAttention ``BlockMask`` for a sequence of ``length`` positions."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(flex_mask_mod(layout), None, None, length, length, device=device)
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
-    """FlexAttention with a block mask (meant for CUDA, where it is compiled into a fused block-sparse kernel;
-    on CPU it runs the unfused eager path, forward only: useful to check the mask, not for speed)."""
+    """FlexAttention with a block mask, compiled into the fused block-sparse kernel (:mod:`dalle_lightning.models.flex`).
+    On CPU only the forward compiles (torch has no CPU FlexAttention backward): with gradients it runs the unfused
+    eager path, which is useful to check the mask, not for speed."""
     _split(q, layout)
     block_mask = flex_block_mask(layout, q.shape[-2], q.device)
-    if q.is_cuda:
-        return _compiled_flex()(q, k, v, block_mask=block_mask)
+    if q.is_cuda or not (torch.is_grad_enabled() and q.requires_grad):
+        return compiled_flex(q, k, v, block_mask)
     from torch.nn.attention.flex_attention import flex_attention as eager_flex
 
     return eager_flex(q, k, v, block_mask=block_mask)
 
 
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """``auto``: ``flex`` on CUDA (the fused kernel; the blocked one is the slowest there and takes 1.6x the
+    memory), ``sparse`` elsewhere (FlexAttention has no CPU backward)."""
+    if impl == "auto":
+        return "flex" if device.type == "cuda" else "sparse"
+    return impl
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout, impl: str = "sparse"
 ) -> torch.Tensor:
-    """Dispatch to the ``impl`` kernel (``sparse``, ``dense`` or ``flex``)."""
+    """Dispatch to the ``impl`` kernel (``auto``, ``sparse``, ``dense`` or ``flex``)."""
+    impl = resolve_impl(impl, q.device)
     if impl == "sparse":
         return sparse_attention(q, k, v, layout)
     if impl == "dense":

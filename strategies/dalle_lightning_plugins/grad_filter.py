@@ -28,6 +28,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from dalle_lightning_plugins.boundary_kernels import branch_grad, identity_grad, unscale_and_flag
+
+__all__ = ["BranchBoundaries", "FromBranch", "ToBranch", "unscale_and_flag"]
+
 
 class ToBranch(torch.autograd.Function):
     """Identity path -> branch: cast to 16-bit; backward unscales, filters Inf/NaN and flags the block."""
@@ -39,40 +43,28 @@ class ToBranch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
-        # Three passes over the gradient: the widening copy, one fused unscale-and-check (the kernel GradScaler
-        # uses) that writes straight into the block's flag, and the in-place filter; the flags stay on the
-        # device, so there is no host sync per block.
-        g = grad.to(torch.float32, copy=True)
+        # Widen, unscale, filter and flag (boundary_kernels: one kernel where fused, else three passes); the flag
+        # stays on the device, so there is no host sync per block.
         boundaries, index = ctx.boundaries, ctx.index
-        unscale_and_flag([g], boundaries.inv_scales[index : index + 1], boundaries.flags[index : index + 1])
-        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+        g = identity_grad(grad, boundaries.inv_scales[index : index + 1], boundaries.flags[index : index + 1],
+                          boundaries.fused)
         return g.to(ctx.in_dtype), None, None, None
-
-
-def unscale_and_flag(grads: list[Tensor], inv_scale: Tensor, flag: Tensor) -> None:
-    """Multiply ``grads`` (one device) by ``inv_scale`` in place and set the 1-element ``flag`` to 1 if any value
-    is non-finite, with the fused kernel GradScaler uses; it writes the flag in place when both share a device."""
-    device = grads[0].device
-    if flag.device == device:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
-        return
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
-    torch.maximum(flag, found.to(flag.device), out=flag)
 
 
 class FromBranch(torch.autograd.Function):
     """Branch -> identity path: cast to the identity dtype; backward multiplies by the scale, casts to 16-bit."""
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, out_dtype: torch.dtype, scales: Tensor, index: int) -> Tensor:
-        ctx.in_dtype, ctx.scales, ctx.index = y.dtype, scales, index
+    def forward(ctx: Any, y: Tensor, out_dtype: torch.dtype, boundaries: "BranchBoundaries", index: int) -> Tensor:
+        ctx.in_dtype, ctx.boundaries, ctx.index = y.dtype, boundaries, index
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        # Multiply in fp32, then cast: a product beyond the 16-bit range becomes Inf, which the filter catches.
-        return (grad.to(torch.float32) * ctx.scales[ctx.index]).to(ctx.in_dtype), None, None, None
+        # Multiply in fp32, then narrow (one kernel where fused): beyond the 16-bit range is Inf, which the filter
+        # at the other boundary catches.
+        boundaries, index = ctx.boundaries, ctx.index
+        return branch_grad(grad, boundaries.scales[index : index + 1], ctx.in_dtype, boundaries.fused), None, None, None
 
 
 class BranchBoundaries:
@@ -83,10 +75,11 @@ class BranchBoundaries:
     device of the first activation seen, because Lightning converts the module before moving it to the device.
     """
 
-    def __init__(self, dtype: torch.dtype, num_blocks: int) -> None:
+    def __init__(self, dtype: torch.dtype, num_blocks: int, fused: bool | None = None) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype={dtype}, expected torch.float16 or torch.bfloat16")
         self.dtype = dtype
+        self.fused = fused  # boundary_kernels.use_fused: None compiles each boundary into one kernel on CUDA
         self.scales = torch.ones(num_blocks, dtype=torch.float32)
         # 1 / scales, computed once per update, plus a spare 1 for the parameters outside the blocks (as flags)
         self.inv_scales = torch.ones(num_blocks + 1, dtype=torch.float32)
@@ -144,7 +137,7 @@ class BranchBoundaries:
                 if not (isinstance(t, Tensor) and t.is_floating_point()):
                     return t
                 if torch.is_grad_enabled() and t.requires_grad:
-                    return FromBranch.apply(t, torch.float32, self.scales, index)
+                    return FromBranch.apply(t, torch.float32, self, index)
                 return t.to(torch.float32)
 
             return _map(cast, output)

@@ -56,6 +56,9 @@ class ResblockScalingPrecision(Precision):
         init_scale_log2, growth_factor, backoff_factor, cooldown, min_scale_log2, max_scale_log2: the paper's
             scale rules (see ``ScaleRules``).
         log_every_n_steps: how often per-block log2 scales go to the trainer's loggers; default the trainer's.
+        fused_boundaries: each branch boundary's backward as one compiled kernel (True), as separate eager passes
+            (False), or compiled where the activations are on CUDA (None, the default; see
+            :mod:`dalle_lightning_plugins.boundary_kernels`). The values are the same either way.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class ResblockScalingPrecision(Precision):
         min_scale_log2: float = 7.0,
         max_scale_log2: float = 24.0,
         log_every_n_steps: int | None = None,
+        fused_boundaries: bool | None = None,
     ) -> None:
         super().__init__()
         branch_dtype = resolve_dtype(dtype, allowed=_LIGHTNING_NAMES, what="dtype")
@@ -90,6 +94,9 @@ class ResblockScalingPrecision(Precision):
             max_log2=max_scale_log2,
         )
         self.log_every_n_steps = log_every_n_steps
+        if fused_boundaries not in (True, False, None):
+            raise ValueError(f"fused_boundaries={fused_boundaries!r}, expected true, false or null (compiled on CUDA)")
+        self.fused_boundaries = fused_boundaries
         self.scales: BlockScales | None = None
         self._boundaries: BranchBoundaries | None = None
         self._root: nn.Module | None = None
@@ -115,7 +122,7 @@ class ResblockScalingPrecision(Precision):
             self._pending_state = None
         if self._boundaries is not None:
             self._boundaries.remove()
-        self._boundaries = BranchBoundaries(self.dtype, len(blocks))
+        self._boundaries = BranchBoundaries(self.dtype, len(blocks), self.fused_boundaries)
         self._boundaries.install([mod for _, mod in blocks])
         self._sync_device_scales()
         # Keep modules, not parameters: FSDP2's fully_shard (possibly applied after this call) swaps in new

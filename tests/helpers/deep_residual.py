@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,3 +114,15 @@ def autocast_branches(model: DeepResidual) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+def plugin_update(plugin: Any, optimizer: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor) -> None:
+    """One update through the precision plugin's ``optimizer_step``, its closure running forward and backward."""
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = squared_error(model, x, y)
+        loss.backward()
+        return loss
+
+    plugin.optimizer_step(optimizer, model, closure)

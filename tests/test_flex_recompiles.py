@@ -1,0 +1,109 @@
+"""FlexAttention never falls back to its unfused path: one compiled kernel per dtype for every layout and batch.
+
+Counted with dynamo's own counters over what a run meets: the three layouts of the paper's pattern, training-size
+batches, a last partial batch, validation batches of another size, and two dtypes. On the CPU only the forward
+compiles (torch has no CPU FlexAttention backward), so the CPU test runs forwards; on CUDA a Lightning fit with
+validation runs forward and backward. A run that would exceed dynamo's limit fails with one line.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dalle_lightning.models.flex import FlexRecompileError, compiled_flex, flex_block_mask
+from dalle_lightning.models.prior import DallePrior
+from dalle_lightning.models.sparse_attention import AttentionLayout
+
+TINY = dict(text_vocab_size=64, text_len=8, image_vocab_size=64, image_grid=4, n_layer=6, n_head=2, d_head=16)
+
+
+def _flex_graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_flex_compiles_once_per_dtype_over_layouts_batches_and_validation() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = DallePrior(**TINY, attn_impl="flex").eval()
+    assert set(model.attention_types()) == {"row", "column", "conv"}
+    reference = DallePrior(**TINY, attn_impl="dense").eval()
+    reference.load_state_dict(model.state_dict())
+    sizes = [16, 16, 16, 5, 24, 24, 3]  # train-size batches, a last partial one, validation batches and its last
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without torch.compile.*")  # the unfused fallback's warning
+        for dtype in (torch.float32, torch.bfloat16):
+            for b in sizes:
+                text = torch.randint(0, 64, (b, 8))
+                image = torch.randint(0, 64, (b, 16))
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                    got = model(text, image)["loss"]
+                    want = reference(text, image)["loss"]
+                torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    # 6 layers x 14 batches: one graph per dtype (the batch dimension is dynamic from the first call)
+    assert _flex_graphs() == 2, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_hitting_the_recompile_limit_is_one_line_not_a_fallback() -> None:
+    torch._dynamo.reset()
+    layout = AttentionLayout("row", 5, 3, 3)
+    q = torch.randn(2, 2, 13, 8)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 1
+    try:
+        with torch.no_grad():
+            compiled_flex(q, q, q, flex_block_mask(layout, 13, q.device))  # the one allowed graph
+            with pytest.raises(FlexRecompileError, match=r"recompile_limit \(1\) with q \(2, 2, 13, 8\) torch.bfloat16"):
+                q16 = q.bfloat16()
+                compiled_flex(q16, q16, q16, flex_block_mask(layout, 13, q.device))
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+def test_flex_fit_with_validation_and_a_partial_batch_compiles_once_per_dtype_on_cuda(tmp_path) -> None:
+    """A real Lightning fit on CUDA (forward and backward through the fused kernel), bf16-mixed, with validation and
+    a last partial batch in both loops: the whole fit compiles FlexAttention's forward and backward once."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, Dataset
+
+    class Tokens(Dataset):
+        def __init__(self, n: int) -> None:
+            g = torch.Generator().manual_seed(n)
+            self.text, self.image = torch.randint(1, 64, (n, 8), generator=g), torch.randint(0, 64, (n, 16), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.text)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"text": self.text[i], "image": self.image[i]}
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = DallePrior(**TINY, attn_impl="flex")
+
+        def training_step(self, batch: dict, _: int) -> torch.Tensor:
+            return self.model(batch["text"], batch["image"])["loss"]
+
+        def validation_step(self, batch: dict, _: int) -> None:
+            self.log("val", self.model(batch["text"], batch["image"])["loss"])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without torch.compile.*")
+        trainer.fit(Lit(), DataLoader(Tokens(37), batch_size=8), DataLoader(Tokens(21), batch_size=16))
+    assert _flex_graphs() <= 2, dict(counters["stats"])  # training (forward + backward) and validation (no grad)
