@@ -35,6 +35,8 @@ train    | trainer.max_steps=0              | trainer.max_steps=0; expected an i
 train    | data.batch_size=0                | data.batch_size=0; expected an integer >= 1
 train    | data.num_workers=-1              | data.num_workers=-1; expected an integer >= 0
 train    | seed=abc                         | seed='abc'; expected an integer
+train    | float32_matmul_precision=tf32    | float32_matmul_precision='tf32'; expected one of highest|high|medium
+train    | model.compile=yes                | compile='yes'; expected true, false or auto
 train    | stage.force=maybe                | stage.force='maybe'; expected true or false
 train    | output=/proc/dalle.pt            | output='/proc/dalle.pt'; expected a writable location
 train    | output={file}/dvae.pt            | is a file

@@ -183,6 +183,7 @@ def training(cfg: DictConfig) -> None:
     integer(cfg, "seed")
     boolean(cfg, "stage.force")
     boolean(cfg, "verbose")
+    choice(cfg, "float32_matmul_precision", ("highest", "high", "medium"))
     output_file(cfg, "output")
     if cfg.stage.name == "tokenizer":
         return

@@ -34,7 +34,7 @@ from dalle_lightning_plugins.atomic_files import write_json
 log = logging.getLogger("dalle_lightning.train")
 
 TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", "callbacks", "logger", "stage",
-                  "seed", "output", "module", "objective", "verbose", "resume",
+                  "seed", "output", "module", "objective", "verbose", "resume", "float32_matmul_precision",
                   "shapes"}  # experiment/shapes.yaml: each stage's run length and batch size
 STAGES = ("tokenizer", "dvae", "clip", "prior")
 
@@ -97,6 +97,10 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     """Build data, model, LightningModule, callbacks and Trainer from config; fit (from ``ckpt_path`` when
     resuming); save the artifact."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    # TF32 for the fp32 products the paper keeps (the prior's heads, the dVAE's logits) where the user allows it,
+    # as Lightning advises on GPUs with tensor cores. Not set without CUDA: the CPU keeps exact fp32 products.
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     inherited_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")  # a missing shard fails here, before a Trainer is built

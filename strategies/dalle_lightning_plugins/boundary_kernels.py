@@ -36,9 +36,9 @@ def identity_grad_eager(grad: Tensor, inv_scale: Tensor, flag: Tensor) -> Tensor
 
 
 def branch_grad_eager(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``grad`` (fp32) times the block's ``scale`` in fp32, then narrowed: a product beyond the 16-bit range becomes
-    Inf, which the other boundary's filter catches."""
-    return (grad.to(torch.float32) * scale).to(dtype)
+    """``grad`` (fp32) times the block's ``scale`` in fp32, narrowed as it is stored (one pass, the product never
+    materialised in fp32): a product beyond the 16-bit range becomes Inf, which the other boundary's filter catches."""
+    return torch.mul(grad.to(torch.float32), scale, out=torch.empty_like(grad, dtype=dtype))
 
 
 def _identity_grad_math(grad: Tensor, inv_scale: Tensor) -> tuple[Tensor, Tensor]:

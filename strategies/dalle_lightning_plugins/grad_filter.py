@@ -46,8 +46,7 @@ class ToBranch(torch.autograd.Function):
         # Widen, unscale, filter and flag (boundary_kernels: one kernel where fused, else three passes); the flag
         # stays on the device, so there is no host sync per block.
         boundaries, index = ctx.boundaries, ctx.index
-        g = identity_grad(grad, boundaries.inv_scales[index : index + 1], boundaries.flags[index : index + 1],
-                          boundaries.fused)
+        g = identity_grad(grad, boundaries.inv_scale_of[index], boundaries.flag_of[index], boundaries.fused)
         return g.to(ctx.in_dtype), None, None, None
 
 
@@ -64,7 +63,7 @@ class FromBranch(torch.autograd.Function):
         # Multiply in fp32, then narrow (one kernel where fused): beyond the 16-bit range is Inf, which the filter
         # at the other boundary catches.
         boundaries, index = ctx.boundaries, ctx.index
-        return branch_grad(grad, boundaries.scales[index : index + 1], ctx.in_dtype, boundaries.fused), None, None, None
+        return branch_grad(grad, boundaries.scale_of[index], ctx.in_dtype, boundaries.fused), None, None, None
 
 
 class BranchBoundaries:
@@ -84,6 +83,7 @@ class BranchBoundaries:
         # 1 / scales, computed once per update, plus a spare 1 for the parameters outside the blocks (as flags)
         self.inv_scales = torch.ones(num_blocks + 1, dtype=torch.float32)
         self.flags = torch.zeros(num_blocks + 1, dtype=torch.float32)
+        self._block_views()
         self._handles: list[RemovableHandle] = []
         self._autocast_stack: list[torch.autocast] = []
 
@@ -92,6 +92,13 @@ class BranchBoundaries:
             self.scales = self.scales.to(device)
             self.inv_scales = self.inv_scales.to(device)
             self.flags = self.flags.to(device)
+            self._block_views()
+
+    def _block_views(self) -> None:
+        """One-element views of each block's scale, reciprocal and flag, made once (not two slices per backward)."""
+        self.scale_of = self.scales.split(1)
+        self.inv_scale_of = self.inv_scales.split(1)
+        self.flag_of = self.flags.split(1)
 
     def set_scales(self, scales: Tensor) -> None:
         """Copy the blocks' current scales (and their reciprocals, which every backward reads) to the device."""
