@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dalle_lightning_plugins.recompiles import strict_recompiles
+
 if TYPE_CHECKING:
     from dalle_lightning.models.sparse_attention import AttentionLayout
 
@@ -83,18 +85,14 @@ def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
         return flex_attention(q, k, v, block_mask=block_mask)
     for x in (q, k, v):
         torch._dynamo.maybe_mark_dynamic(x, 0)
-    config = torch._dynamo.config
-    before = config.fail_on_recompile_limit_hit
-    config.fail_on_recompile_limit_hit = True
     try:
-        return _compiled_flex()(q, k, v, block_mask=block_mask)
+        with strict_recompiles():
+            return _compiled_flex()(q, k, v, block_mask=block_mask)
     except Exception as error:  # dynamo wraps the limit error in its own types, which vary across versions
         if "recompile_limit" in str(error) or "cache_size_limit" in str(error):
             raise FlexRecompileError(
-                f"flex_attention hit torch._dynamo.config.recompile_limit ({config.recompile_limit}) with q "
-                f"{tuple(q.shape)} {q.dtype}; expected one compiled kernel per dtype (raise the limit, or use "
+                f"flex_attention hit torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) "
+                f"with q {tuple(q.shape)} {q.dtype}; expected one compiled kernel per dtype (raise the limit, or use "
                 "attn_impl=sparse)"
             ) from None
         raise
-    finally:
-        config.fail_on_recompile_limit_hit = before

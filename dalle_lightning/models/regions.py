@@ -25,6 +25,8 @@ from typing import Any, Union
 
 import torch
 
+from dalle_lightning_plugins.recompiles import strict_recompiles
+
 CompileMode = Union[bool, str]
 COMPILE_MODES = (True, False, "auto")
 RECOMPILE_LIMIT = 64  # graphs per compiled function: branch shapes x dtypes x grad mode x train/eval
@@ -57,10 +59,5 @@ class CompiledRegion:
     def __call__(self, *args: Any) -> Any:
         if self._compiled is None:
             self._compiled = torch.compile(self.fn)
-        config = torch._dynamo.config
-        limit, fail = config.recompile_limit, config.fail_on_recompile_limit_hit
-        config.recompile_limit, config.fail_on_recompile_limit_hit = max(limit, RECOMPILE_LIMIT), True
-        try:
+        with strict_recompiles(RECOMPILE_LIMIT):
             return self._compiled(*args)
-        finally:
-            config.recompile_limit, config.fail_on_recompile_limit_hit = limit, fail

@@ -6,9 +6,10 @@ Backward through a branch ``x + f(x)`` crosses two boundaries (:mod:`dalle_light
 - leaving the branch back to the identity path: ``g16 -> fp32``, ``/ s``, non-finite values set to 0 and the
   block flagged when there was one.
 
-Written as separate tensor operations the second is four passes over the branch's activation gradient (widening
-copy, unscale-and-check, ``nan_to_num_``, and a flag) and the first two (multiply, narrow): on a GPU, where an
-update is bound by memory traffic, those passes cost more than the scaling is worth. Compiled (``torch.compile``,
+Written as separate tensor operations the second is three passes over the branch's activation gradient (widening
+copy, GradScaler's unscale-and-check writing the flag, ``nan_to_num_``); the first is one (the product narrowed as
+it is stored). On a GPU, where an update is bound by memory traffic, the three passes cost more than the scaling
+is worth. Compiled (``torch.compile``,
 shapes dynamic, so one graph serves every block, batch and length) each boundary is one kernel that reads the
 gradient once and writes it once; the flag is a reduction in the same kernel.
 
@@ -23,6 +24,8 @@ import functools
 
 import torch
 from torch import Tensor
+
+from dalle_lightning_plugins.recompiles import strict_recompiles
 
 _RECOMPILE_LIMIT = 32  # graphs per boundary function: dtypes x memory formats (contiguous, channels-last)
 
@@ -60,13 +63,8 @@ def _compiled(name: str):  # noqa: ANN202 - a compiled callable
 def _call_compiled(name: str, *args: object) -> object:
     """A compiled boundary function, with dynamo's recompile limit raised for it and made an error: never the
     silent eager fallback (which would be the slow path the compile exists to remove)."""
-    config = torch._dynamo.config
-    limit, fail = config.recompile_limit, config.fail_on_recompile_limit_hit
-    config.recompile_limit, config.fail_on_recompile_limit_hit = max(limit, _RECOMPILE_LIMIT), True
-    try:
+    with strict_recompiles(_RECOMPILE_LIMIT):
         return _compiled(name)(*args)
-    finally:
-        config.recompile_limit, config.fail_on_recompile_limit_hit = limit, fail
 
 
 def use_fused(fused: bool | None, grad: Tensor) -> bool:

@@ -219,12 +219,12 @@ class ResblockScalingPrecision(Precision):
         for p in params:
             if p.grad is not None and id(p) not in self._unscaled:
                 by_block.setdefault(self._block_of.get(id(p), outside), []).append(p)
-        flags, inv_scales = self._boundaries.flags, self._boundaries.inv_scales
+        flag_of, inv_scale_of = self._boundaries.flag_of, self._boundaries.inv_scale_of
         for index, members in by_block.items():
             for group, sharded in _buckets(members):
                 grads = [p.grad for p in group]
                 unscale_and_flag([local_shard(g) for g in grads] if sharded else grads,
-                                 inv_scales[index : index + 1], flags[index : index + 1])
+                                 inv_scale_of[index], flag_of[index])
             self._unscaled.update(id(p) for p in members)
 
     def mark_nonfinite(self) -> None:
@@ -244,15 +244,15 @@ class ResblockScalingPrecision(Precision):
     def _unscale_and_check(self, optimizer: Optimizer) -> Tensor:
         """Divide each block's gradients by its scale in place; return the per-block (+ other) non-finite flags."""
         assert self._boundaries is not None
-        flags, inv_scales = self._boundaries.flags, self._boundaries.inv_scales  # last slot: outside the blocks
+        boundaries = self._boundaries  # the last flag and reciprocal: the parameters outside the blocks
         for index, buckets in enumerate(self._parameter_groups(optimizer)):
             for params, sharded in buckets:
                 grads = [p.grad for p in params if p.grad is not None and id(p) not in self._unscaled]
                 if grads:
                     unscale_and_flag([local_shard(g) for g in grads] if sharded else grads,
-                                     inv_scales[index : index + 1], flags[index : index + 1])
+                                     boundaries.inv_scale_of[index], boundaries.flag_of[index])
         self._unscaled.clear()
-        return flags.clone()
+        return boundaries.flags.clone()
 
     def _parameter_groups(self, optimizer: Optimizer) -> list[list[tuple[list[Tensor], bool]]]:
         """The optimizer's parameters of each block, then those outside every block, each split into buckets of
