@@ -24,7 +24,7 @@ PRIOR = dict(text_vocab_size=64, text_len=8, image_vocab_size=64, image_grid=4, 
 DVAE = dict(image_size=16, vocab_size=32, n_hid=16, n_blk_per_group=1, group_count=2, codebook_dim=16)
 
 
-def _prior_step(model: DallePrior, plugin: ResblockScalingPrecision | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _prior_step(model: DallePrior) -> tuple[torch.Tensor, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     text, image = torch.randint(0, 64, (5, 8), generator=g), torch.randint(0, 64, (5, 16), generator=g)
     model.zero_grad()
@@ -56,7 +56,7 @@ def test_compiled_prior_matches_eager(with_plugin: bool) -> None:
             plugin = ResblockScalingPrecision("fp16", init_scale_log2=10.0)
             plugin.convert_module(model)
             plugin._boundaries.dtype = torch.float32  # noqa: SLF001 - the same arithmetic in fp32 on both sides
-        results.append(_prior_step(model, plugin))
+        results.append(_prior_step(model))
         if plugin is not None:
             plugin.teardown()
     (loss_a, grads_a), (loss_b, grads_b) = results
@@ -100,7 +100,7 @@ def test_compile_auto_stays_eager_on_the_cpu_and_bad_values_raise() -> None:
     torch._dynamo.reset()
     counters.clear()
     model = DallePrior(**PRIOR, compile="auto")
-    _prior_step(model, None)
+    _prior_step(model)
     assert counters["stats"]["unique_graphs"] == 0
     assert check_compile("true") is True and check_compile("auto") == "auto"
     for bad in ("yes", 1, None):
