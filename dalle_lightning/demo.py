@@ -5,8 +5,10 @@ and the Precision plugin on 2 processes, timed against it) -> generated grid + c
 Prints each step's wall time and where its outputs are, and writes them to ``<out_dir>/demo.json``.
 
 Usage: ``python -m dalle_lightning.demo [out_dir=outputs/demo] [force=true] [steps=data,tokenizer,dvae]
-[experiment=shapes]``; ``experiment`` sizes the training stages (``conf/experiment/``: ``shapes``, the default, or
-``shapes_long``, the same pipeline trained longer).
+[experiment=auto]``; ``experiment`` sizes the training stages (``conf/experiment/``: ``shapes``, or ``shapes_long``,
+the same pipeline trained longer); ``auto``, the default, is ``shapes_long`` where a GPU trains it and ``shapes`` on
+the CPU. Every stage runs on one GPU where CUDA sees one (``trainer=auto``, ``device=auto``), on the CPU elsewhere;
+the demo prints which.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from dalle_lightning.cli.common import CONF_DIR
-from dalle_lightning.hardware import auto_precision, native_bf16
+from dalle_lightning.hardware import auto_precision, native_bf16, resolve_device
 from dalle_lightning_plugins.atomic_files import write_json
 
 # training updates per second, in metrics.json
@@ -38,7 +42,7 @@ STEPS: dict[str, list[str]] = {
     "prior_plugins": ["dalle_lightning.cli.train", "stage=prior", TIMER, "strategy=sharded_powersgd",
                       "strategy.devices_per_node=1", "trainer.devices=2", "precision=resblock16", "precision.dtype=bf16",
                       "data.batch_size=16", "trainer.max_steps=80", "callbacks.fid=null", "callbacks.sample_grid=null",
-                      "output=${paths.work_dir}/prior_plugins.pt"],
+                      "output=${paths.work_dir}/prior_plugins.pt", "trainer.accelerator=cpu"],
     "generate": ["dalle_lightning.cli.generate"],
     # 50 + 50 fresh captions, best of up to 16: a fraction of the dalle-eval defaults' time (docs/results.md)
     "eval": ["dalle_lightning.cli.evaluate", "n_seen=50", "n_zeroshot=50", "candidates=[1,2,4,8,16]"],
@@ -58,7 +62,7 @@ def step_overrides(step: str, native_bf16: bool) -> tuple[str, list[str]]:
 
 
 def parse(argv: list[str]) -> dict[str, str]:
-    args = {"out_dir": "outputs/demo", "force": "false", "steps": ",".join(STEPS), "experiment": "shapes"}
+    args = {"out_dir": "outputs/demo", "force": "false", "steps": ",".join(STEPS), "experiment": "auto"}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in args:
@@ -66,13 +70,20 @@ def parse(argv: list[str]) -> dict[str, str]:
                              "steps=a,b, experiment=NAME")
         args[key] = value
     experiments = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
-    if args["experiment"] not in experiments:
-        raise SystemExit(f"error: experiment={args['experiment']!r} is not in conf/experiment; expected one of "
-                         f"{experiments}")
+    if args["experiment"] not in experiments + ["auto"]:
+        raise SystemExit(f"error: experiment={args['experiment']!r} is not in conf/experiment; expected auto or one "
+                         f"of {experiments}")
     unknown = [s for s in args["steps"].split(",") if s not in STEPS]
     if unknown:
         raise SystemExit(f"error: unknown demo step(s) {unknown}; expected some of {list(STEPS)}")
     return args
+
+
+def experiment_for(requested: str, device: str) -> str:
+    """``auto``: ``shapes_long`` where a GPU trains it (it has the time), ``shapes`` on the CPU; else as asked."""
+    if requested != "auto":
+        return requested
+    return "shapes_long" if device.startswith("cuda") else "shapes"
 
 
 def metrics_files(work: Path) -> set[Path]:
@@ -108,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     timings: dict[str, float] = {}
     rates: dict[str, float] = {}
     native = native_bf16("cpu")
+    device = resolve_device("auto")
+    args["experiment"] = experiment_for(args["experiment"], device)
+    where = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
+    print(f"== device: {where}; experiment={args['experiment']}", flush=True)
     if not native and "prior_plugins" in args["steps"].split(","):
         print("== this CPU has no native bf16 (benchmarks/matmul_dtypes.py): every stage trains in fp32, and "
               "prior_plugins runs the Strategy without the Precision plugin", flush=True)
@@ -129,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         if rate is not None:
             rates[step] = rate
         print(f"== {step}: {timings[step]} s" + (f", {rate} updates/s" if rate is not None else ""), flush=True)
-    summary = {"work_dir": str(work), "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
-               "updates_per_s": rates, "precision": auto_precision("cpu")}
+    summary = {"work_dir": str(work), "device": where, "experiment": args["experiment"], "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
+               "updates_per_s": rates, "precision": auto_precision(device)}
     if "prior" in rates and "prior_plugins" in rates:
         # the plugins' prior against one process (precision=auto) at the same global batch, this run, this machine
         summary["prior_plugins_vs_one_process"] = round(rates["prior_plugins"] / rates["prior"], 3)

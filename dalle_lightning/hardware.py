@@ -36,3 +36,11 @@ def auto_precision(accelerator: str = "cpu") -> str:
     """The Lightning precision name ``precision=auto`` stands for: ``bf16-mixed`` where bf16 is native, else
     ``32-true`` (fp32 beats a bf16 that is emulated)."""
     return "bf16-mixed" if native_bf16(accelerator) else "32-true"
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: ``cuda`` where a CUDA device is visible, else ``cpu``; any other name unchanged (the commands'
+    ``device`` option, checked by ``dalle_lightning.cli.checks.device``)."""
+    if device == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device

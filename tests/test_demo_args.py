@@ -7,11 +7,25 @@ import pytest
 from dalle_lightning.demo import parse
 
 
-def test_experiment_defaults_to_shapes_and_names_the_known_ones() -> None:
-    assert parse([])["experiment"] == "shapes"
+def test_experiment_defaults_to_auto_and_names_the_known_ones() -> None:
+    assert parse([])["experiment"] == "auto"
     assert parse(["experiment=paper_prior", "steps=prior"])["experiment"] == "paper_prior"
-    with pytest.raises(SystemExit, match=r"experiment='shape' is not in conf/experiment; expected one of \[.*'shapes'"):
+    with pytest.raises(SystemExit, match=r"experiment='shape' is not in conf/experiment; expected auto or one of \[.*'shapes'"):
         parse(["experiment=shape"])
+
+
+def test_auto_picks_the_longer_experiment_on_a_gpu_and_the_cpu_without_one() -> None:
+    from unittest import mock
+
+    from dalle_lightning.demo import experiment_for
+    from dalle_lightning.hardware import resolve_device
+
+    assert experiment_for("auto", "cuda") == "shapes_long" and experiment_for("auto", "cpu") == "shapes"
+    assert experiment_for("shapes", "cuda") == "shapes"  # asked for: kept
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        assert resolve_device("auto") == "cpu"
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert resolve_device("auto") == "cuda" and resolve_device("cpu") == "cpu"
 
 
 def test_unknown_argument_and_step_are_one_line_errors() -> None:
@@ -36,8 +50,9 @@ def test_every_training_step_composes_as_the_demo_passes_it(tmp_path) -> None:  
         done = subprocess.run([sys.executable, "-m", module, *overrides, f"paths.work_dir={tmp_path}",
                                "experiment=shapes", "--cfg", "job"], capture_output=True, text=True)
         assert done.returncode == 0, f"{step}: {done.stderr[-800:]}"
-        if step == "prior_plugins":
+        if step == "prior_plugins":  # 2 processes on the CPU, also where the other stages take the one GPU
             assert "devices_per_node: 1" in done.stdout and "batch_size: 16" in done.stdout
+            assert "accelerator: cpu" in done.stdout
 
 
 def test_without_native_bf16_the_side_run_keeps_the_strategy_in_fp32(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -71,11 +71,11 @@ def boolean_or_auto(cfg: DictConfig, key: str) -> None:
 
 
 def device(cfg: DictConfig, key: str = "device") -> None:
-    """``cpu``, or ``cuda``/``cuda:N`` on a machine that has that GPU."""
+    """``auto``, ``cpu``, or ``cuda``/``cuda:N`` on a machine that has that GPU."""
     import torch
 
     got = value(cfg, key)
-    if got == "cpu":
+    if got in ("auto", "cpu"):
         return
     if isinstance(got, str) and (got == "cuda" or got.startswith("cuda:")):
         index = got.partition(":")[2]
@@ -84,7 +84,7 @@ def device(cfg: DictConfig, key: str = "device") -> None:
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
             _fail(key, got, f"cuda or cuda:N with N < {torch.cuda.device_count()}")
         return
-    _fail(key, got, "cpu or cuda")
+    _fail(key, got, "auto, cpu or cuda")
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -26,7 +26,7 @@ from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.epoch_loader import no_data_message
 from dalle_lightning.data.shards import resolve_shards
-from dalle_lightning.hardware import AUTO, native_bf16
+from dalle_lightning.hardware import AUTO, native_bf16, resolve_device
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
 from dalle_lightning.data.tokenizer import CaptionTokenizer
@@ -44,7 +44,8 @@ def _npy(arr: np.ndarray) -> bytes:
 @torch.no_grad()
 def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str, out_dir: Path, image_size: int,
                  batch_size: int, shard_size: int, bf16: bool = False, num_workers: int = 0,
-                 record: dict[str, Any] | None = None, background: Any = (255, 255, 255)) -> int:
+                 record: dict[str, Any] | None = None, background: Any = (255, 255, 255),
+                 device: str = "cpu") -> int:
     """Encode one split into ``out_dir`` (new, or token shards of an earlier run); returns the samples written.
 
     ``record`` (the dVAE and tokenizer that made the codes) goes into the directory's marker.
@@ -56,12 +57,13 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
     keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
     stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0,
                          skipped=reader.skipped)
-    loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers,
+                                         pin_memory=device.startswith("cuda"))
     claim(out_dir, "tokens")
     tmp = temporary_name(out_dir)  # this run's own name: a second run never writes into or removes it
     tmp.mkdir(parents=True)
     try:
-        n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record)
+        n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record, torch.device(device))
         report_counts(out_dir.name, reader)
         if n == 0:  # an empty split must not replace one, nor pass as encoded
             raise ValueError(no_data_message(f"split {out_dir.name!r} ({shards})", "readable sample", stream.urls,
@@ -83,7 +85,7 @@ def report_counts(split: str, reader: ImageTextDataModule) -> None:
 
 
 def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: torch.utils.data.DataLoader,
-                  tmp: Path, shard_size: int, bf16: bool, record: dict | None) -> int:
+                  tmp: Path, shard_size: int, bf16: bool, record: dict | None, device: torch.device) -> int:
     """Encode every batch of ``loader`` into token shards in ``tmp``; the number of samples written."""
     write_marker(tmp, "tokens", **(record or {}))
     n = 0
@@ -91,9 +93,9 @@ def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: to
     # on every sample (docs/results.md).
     with wds.ShardWriter(str(tmp / "%06d.tar"), maxcount=shard_size, verbose=0, mtime=0) as sink:
         for batch in loader:
-            images = batch["image"].contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                codes = dvae.get_codebook_indices(images).flatten(1).to(torch.int32).numpy()
+            images = batch["image"].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                codes = dvae.get_codebook_indices(images).flatten(1).to(torch.int32).cpu().numpy()
             for key, text, code in zip(batch["key"], batch["text"], codes):
                 ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
                 sink.write({"__key__": key, "codes.npy": _npy(code.astype(np.uint16)), "ids.npy": _npy(ids),
@@ -104,13 +106,14 @@ def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: to
 
 def run(cfg: DictConfig) -> dict[str, int]:
     check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "background", "splits", "out_dir", "shard_size",
-                     "batch_size", "bf16", "num_workers", "force", "verbose"})
+                     "batch_size", "bf16", "num_workers", "force", "verbose", "device"})
     checks.input_file(cfg, "dvae", "a trained dVAE (dalle-train stage=dvae)")
     checks.input_file(cfg, "tokenizer", "a tokenizer.json (dalle-train stage=tokenizer)")
     for key in ("text_len", "image_size", "shard_size", "batch_size"):
         checks.integer(cfg, key, minimum=1)
     checks.integer(cfg, "num_workers", minimum=0)
     checks.boolean_or_auto(cfg, "bf16")
+    checks.device(cfg)
     checks.boolean(cfg, "force")
     checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
@@ -122,15 +125,16 @@ def run(cfg: DictConfig) -> dict[str, int]:
         claim(out / split, "tokens")
     tokenizer = CaptionTokenizer.load(cfg.tokenizer, text_len=cfg.text_len)
     dvae, meta = load_artifact(cfg.dvae, stage="dvae", key="dvae")
-    dvae = dvae.to(memory_format=torch.channels_last)  # NHWC convolutions: faster on CPU (docs/results.md)
+    device = resolve_device(cfg.device)
+    dvae = dvae.to(device, memory_format=torch.channels_last)  # NHWC convolutions: faster on CPU (docs/results.md)
     record = {"dvae": dvae_record(meta),
               "tokenizer": tokenizer_record(cfg.tokenizer, tokenizer.vocab_size), "text_len": cfg.text_len}
-    bf16 = native_bf16("cpu") if cfg.bf16 == AUTO else cfg.bf16
+    bf16 = native_bf16("cuda" if device.startswith("cuda") else "cpu") if cfg.bf16 == AUTO else cfg.bf16
     counts = {}
     for split, shards in cfg.splits.items():
         counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
                                      cfg.shard_size, bf16=bf16, num_workers=cfg.num_workers, record=record,
-                                     background=list(cfg.background))
+                                     background=list(cfg.background), device=device)
         log.info("%s: %d samples -> %s", split, counts[split], out / split)
     if tokenizer.truncated:
         log.warning("%d captions were longer than text_len=%d and truncated", tokenizer.truncated, cfg.text_len)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dalle_lightning.hardware import resolve_device
 from dalle_lightning.artifacts import load_model
 from dalle_lightning.lineage import check_pipeline
 from dalle_lightning.generation.prior_score import prior_score
@@ -78,7 +79,7 @@ def check_prompts(prompts: list[str]) -> list[str]:
 class Generator:
     def __init__(self, prior: nn.Module, dvae: nn.Module, tokenizer: CaptionTokenizer, reranker: Reranker | None = None,
                  device: str | torch.device = "cpu") -> None:
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device) if isinstance(device, str) else device)  # "auto" too
         self.prior = prior.to(self.device).eval()
         self.dvae = dvae.to(self.device).eval()
         self.tokenizer = tokenizer
