@@ -39,12 +39,18 @@ def _local(t: Tensor) -> Tensor:
     return to_local() if callable(to_local) else t
 
 
-def all_finite(tensors: list[Tensor]) -> bool:
-    """True if no tensor holds NaN or Inf (one norm per device and dtype group, one host sync)."""
+def nonfinite_flag(tensors: list[Tensor], device: torch.device | None = None) -> Tensor:
+    """A 0-d bool tensor (on ``device``, else the first tensor's), True if some tensor holds NaN or Inf: one norm
+    per device and dtype group, no host sync."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
-    return all(bool(torch.stack(torch._foreach_norm(ts)).isfinite().all()) for ts in groups.values())
+    target = device or (tensors[0].device if tensors else torch.device("cpu"))
+    flag = torch.zeros((), dtype=torch.bool, device=target)
+    for ts in groups.values():
+        flag = flag | (~torch.stack(torch._foreach_norm(ts)).isfinite().all()).to(target)
+    return flag
+
 
 
 def _plugin_counts(trainer: pl.Trainer) -> tuple[int, int] | None:
@@ -96,8 +102,8 @@ class NonFiniteGuard(pl.Callback):
         if _plugin_counts(trainer) is not None or getattr(trainer.strategy, "skips_nonfinite_updates", False):
             return  # the plugin or the strategy has checked (and skips) this update
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        bad = bool(bad_loss) if bad_loss is not None else False
-        bad = bad or not all_finite([_local(p.grad) for p in params])
+        flag = nonfinite_flag([_local(p.grad) for p in params], bad_loss.device if bad_loss is not None else None)
+        bad = bool(flag | bad_loss if bad_loss is not None else flag)  # the update's one host read
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
             for p in params:
                 p.grad = None

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ProgressBar
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from hydra.utils import instantiate
@@ -109,6 +110,8 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     # Exact resume: every rank's random states travel in checkpoints, and a checkpoint that ended an epoch of the
     # (unsized) streamed data resumes at the next epoch's first batch.
     callbacks = [*instantiate_dict(cfg.callbacks), RandomState(), EpochEndResume()]
+    if not cfg.trainer.enable_progress_bar:  # Lightning refuses a bar callback with the bar disabled
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     logger = instantiate(cfg.logger) if cfg.logger else False
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
     if ckpt_path is not None:

@@ -100,9 +100,11 @@ class ClipModule(FusedOptimizerClipping):
         return self.tokenizer(list(captions)).to(self.device)
 
     @override
-    def forward(self, images: torch.Tensor, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """L2-normalised image and text features and the (exponentiated) logit scale."""
-        clip_models.check_images(images, "batch['image']")
+    def forward(self, images: torch.Tensor, captions: list[str],
+                check_range: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """L2-normalised image and text features and the (exponentiated) logit scale. ``check_range=False`` skips
+        the [0, 1] check's host read (the shape and dtype are always checked)."""
+        clip_models.check_images(images, "batch['image']", check_range)
         if len(captions) != images.shape[0]:
             raise ValueError(f"batch has {images.shape[0]} images but {len(captions)} captions; expected one caption per image")
         pixels = clip_models.normalize_images(images, self.image_mean, self.image_std, clip_models.image_size(self.model))
@@ -138,32 +140,35 @@ class ClipModule(FusedOptimizerClipping):
             above = (logits.diagonal() > logits[:, -1]).float().mean()  # own caption vs own negative
         return loss, above
 
-    def _shared_step(self, batch: dict[str, Any], stage: str) -> torch.Tensor:
-        image_features, text_features, logit_scale = self(self.with_reconstructions(batch["image"]), batch["text"])
+    def _shared_step(self, batch: dict[str, Any], stage: str, batch_idx: int) -> torch.Tensor:
+        # The range check reads the images back to the host: in training once per epoch (a loader that yields
+        # uint8 or [-1, 1] does so from its first batch), in validation at every batch.
+        images, check = self.with_reconstructions(batch["image"]), stage != "train" or batch_idx == 0
+        image_features, text_features, logit_scale = self(images, batch["text"], check_range=check)
         loss = self.loss_fn(image_features, text_features, logit_scale)
         if self.negatives is not None:
             neg_loss, neg_acc = self.hard_negative_loss(image_features, text_features, batch["text"], logit_scale)
             loss = loss + self.negative_weight * neg_loss
-            self.log(f"{stage}/neg_acc", neg_acc, prog_bar=True, batch_size=len(batch["text"]), sync_dist=stage != "train")
+            self.log(f"{stage}/neg_acc", neg_acc, prog_bar=stage != "train", batch_size=len(batch["text"]), sync_dist=stage != "train")
         with torch.no_grad():
             # In-batch retrieval accuracy: does each image's most similar caption belong to it?
             sims = image_features @ text_features.T
             target = torch.arange(sims.shape[0], device=sims.device)
             acc = (sims.argmax(dim=1) == target).float().mean()
         batch_size = sims.shape[0]
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
-        self.log(f"{stage}/acc", acc, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+        self.log(f"{stage}/loss", loss, prog_bar=stage != "train", batch_size=batch_size, sync_dist=stage != "train")
+        self.log(f"{stage}/acc", acc, prog_bar=stage != "train", batch_size=batch_size, sync_dist=stage != "train")
         if stage == "train":
             self.log("train/logit_scale", logit_scale.detach(), batch_size=batch_size)
         return loss
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        return self._shared_step(batch, "train")
+        return self._shared_step(batch, "train", batch_idx)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        return self._shared_step(batch, "val")
+        return self._shared_step(batch, "val", batch_idx)
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:

@@ -115,7 +115,7 @@ class DVAEModule(FusedOptimizerClipping):
         images = self._images(batch)
         out = self(images)
         n = images.shape[0]
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
+        self.log("train/loss", out["loss"], batch_size=n)  # on the bar: dalle_lightning_callbacks.progress_bar
         self.log("train/recon_loss", out["recon_loss"], batch_size=n)
         if "kl" in out:
             self.log("train/kl", out["kl"], batch_size=n)

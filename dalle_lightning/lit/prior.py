@@ -86,7 +86,8 @@ class PriorModule(FusedOptimizerClipping):
         batch_size = batch["text"].shape[0]
         for name, value in out.items():
             self.log(
-                f"{stage}/{name}", value, prog_bar=name == "loss", batch_size=batch_size, sync_dist=stage != "train"
+                f"{stage}/{name}", value, prog_bar=name == "loss" and stage != "train", batch_size=batch_size,
+                sync_dist=stage != "train"
             )
         return out["loss"]
 

@@ -186,12 +186,15 @@ def image_size(model: nn.Module) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def check_images(images: torch.Tensor, name: str = "images") -> None:
-    """Fail early on batches that are not ``FloatTensor[B, 3, H, W]`` in [0, 1] (e.g. uint8 or [-1, 1])."""
+def check_images(images: torch.Tensor, name: str = "images", check_range: bool = True) -> None:
+    """Fail early on batches that are not ``FloatTensor[B, 3, H, W]`` in [0, 1] (e.g. uint8 or [-1, 1]). The range
+    is one host read (both bounds together); ``check_range=False`` skips it."""
     if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3 or not images.is_floating_point():
         shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__
         raise ValueError(f"{name} has shape/type {shape}; expected a float tensor [B, 3, H, W] with values in [0, 1]")
-    lo, hi = images.min().item(), images.max().item()
+    if not check_range or images.numel() == 0:
+        return
+    lo, hi = torch.stack(images.aminmax()).tolist()
     if lo < 0.0 or hi > 1.0:
         raise ValueError(f"{name} range [{lo:.3g}, {hi:.3g}]; expected values in [0, 1]")
 
