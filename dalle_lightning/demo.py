@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         if rate is not None:
             rates[step] = rate
         print(f"== {step}: {timings[step]} s" + (f", {rate} updates/s" if rate is not None else ""), flush=True)
-    summary = {"work_dir": str(work), "device": where, "experiment": args["experiment"], "wall_time_s": timings, "total_s": round(sum(timings.values()), 1),
-               "updates_per_s": rates, "precision": auto_precision(device)}
+    summary = {"work_dir": str(work), "device": where, "experiment": args["experiment"], "wall_time_s": timings,
+               "total_s": round(sum(timings.values()), 1), "updates_per_s": rates, "precision": auto_precision(device)}
     if "prior" in rates and "prior_plugins" in rates:
         # the plugins' prior against one process (precision=auto) at the same global batch, this run, this machine
         summary["prior_plugins_vs_one_process"] = round(rates["prior_plugins"] / rates["prior"], 3)

@@ -52,7 +52,6 @@ def nonfinite_flag(tensors: list[Tensor], device: torch.device | None = None) ->
     return flag
 
 
-
 def _plugin_counts(trainer: pl.Trainer) -> tuple[int, int] | None:
     """(skipped, attempts) of a precision plugin that filters non-finite updates itself, else None."""
     scales = getattr(trainer.precision_plugin, "scales", None)
