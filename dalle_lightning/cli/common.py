@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,8 +82,53 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
             if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
                 exc = exc.__cause__  # Hydra wraps the constructor's own error; show that one
             fail(str(exc) or type(exc).__name__)
+        except RuntimeError as exc:  # torch.distributed.DistError is one
+            if os.environ.get("DALLE_DEBUG") or not lost_peer(exc):
+                raise
+            lost_peer_exit(exc)
 
     return wrapper
+
+
+PEER_SIGNS = ("gloo", "nccl", "connection reset", "connection refused", "connectfullmesh", "timed out", "timeout")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a collective or store that failed because a peer or the link went:
+    the strategies' own one line (``node 0 (rank 0): ... with node(s) [1] failed ...``) or torch.distributed's."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False  # one process has no peer to lose
+    while exc is not None:
+        text = str(exc).lower()
+        if isinstance(exc, dist.DistError) or text.startswith("node ") or any(sign in text for sign in PEER_SIGNS):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def lost_peer_exit(exc: BaseException) -> None:
+    """End this process with one line on every rank (each node says what it saw) and exit code 1, which a
+    restarting launcher (``torchrun --max-restarts``) answers by restarting the workers; the traceback goes to
+    torchrun's error file only, where its final report reads it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    text = str(exc).strip()
+    print(f"error: {text.splitlines()[0] if text else type(exc).__name__}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Not sys.exit: the interpreter's exit would tear down the process group, whose sockets wait on the lost peer
+    # (up to the whole outage: 43 s of a 30 s link cut, measured). Nothing is left to write; the kernel releases
+    # the run's locks (run_lock) with the process.
+    os._exit(1)
+
+
+QUIET_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)",  # Lightning's own call of a torch API torch deprecated, at every fit
+    r"The dirpath has changed from",  # every resumed run writes its own run directory (docs/resume.md)
+)
 
 
 def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
@@ -92,6 +138,8 @@ def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
     @functools.wraps(main)
     def wrapper(cfg: DictConfig) -> Any:
         if not cfg.get("verbose", False):
+            for message in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
             logging.getLogger().setLevel(logging.WARNING)
             logging.getLogger("dalle_lightning").setLevel(logging.INFO)
         if process_rank() != 0:

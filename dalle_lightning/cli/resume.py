@@ -16,14 +16,19 @@ in. A job with no checkpoint yet (its first start) starts afresh, so one command
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dalle_lightning.cli.common import process_rank
+from dalle_lightning_plugins.atomic_files import write_json
 from dalle_lightning_plugins.checkpoint_io import checkpoint_problem
+from dalle_lightning_plugins.elastic import agree_on_checkpoint, all_gather_objects, restart_count
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -123,3 +128,65 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
     if problem is not None:
         raise ValueError(f"resume={value}: {problem}; expected a complete checkpoint (resume=auto skips incomplete ones)")
     return str(path)
+
+
+# ---------------------------------------------------------------------------------------------- restarted launches
+
+LAUNCH_FILE = "launch.json"  # in a run directory: the launch it belongs to (dalle_lightning_plugins.elastic.launch_ids)
+FINISHED_FILE = "metrics.json"  # written by rank 0 when the run ends: a finished run is never continued by a restart
+
+
+def launch_runs(run_dirs: Iterable[Path], ids: Iterable[str]) -> list[Path]:
+    """The run directories an earlier attempt of this launch made (its ``launch.json`` names one of ``ids``) and
+    that did not finish."""
+    wanted = set(ids)
+    found = []
+    for run in run_dirs:
+        try:
+            recorded = set(json.loads((run / LAUNCH_FILE).read_text()).get("ids", []))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a run of a restarting launcher, or one whose file was never finished
+        if recorded & wanted and not (run / FINISHED_FILE).exists():
+            found.append(run)
+    return found
+
+
+def candidate_runs(cfg: DictConfig, sweep: tuple[Path, list[str]] | None) -> list[Path]:
+    """Where a restarted attempt looks for its launch's runs: the stage's run directories, or a sweep's jobs."""
+    if sweep is not None:
+        return [d for d in sweep[0].glob("*") if d.is_dir()]
+    return stage_runs(Path(cfg.paths.runs), cfg.stage.name)
+
+
+def record_launch(run_dir: Path, ids: Iterable[str]) -> None:
+    """Name this run's launch in its directory (rank 0), so that a restart of the launch finds the run."""
+    write_json(run_dir / LAUNCH_FILE, {"ids": sorted(set(ids)), "written": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def restart_checkpoint(cfg: DictConfig, requested: str | None, run_dir: Path | None,
+                       sweep: tuple[Path, list[str]] | None, local_ids: list[str]) -> str | None:
+    """Collective (every rank calls it once the default process group is up, or alone): the checkpoint a run
+    continues from when a restarting launcher started it again.
+
+    The ranks pool their launch ids (:func:`dalle_lightning_plugins.elastic.launch_ids`: every node's torchrun
+    agent, the rendezvous id, the SLURM job), find the unfinished runs of this launch, and agree on the newest
+    checkpoint every rank holds complete; rank 0 then names the launch in its own run directory. With no earlier
+    attempt (a launch's first start, or no restarting launcher) the run goes on with ``requested``
+    (``resume=...``)."""
+    pooled = sorted({i for ids in all_gather_objects(local_ids) for i in ids})
+    if not pooled:
+        return requested
+    runs = launch_runs(candidate_runs(cfg, sweep), pooled)
+    complete = []
+    for path in checkpoints_in(runs):
+        if checkpoint_problem(path) is None:
+            complete.append(str(path))
+    chosen = agree_on_checkpoint(complete)
+    if run_dir is not None and process_rank() == 0:
+        record_launch(run_dir, pooled)
+    if chosen is not None:
+        log.info("restarted by the launcher (attempt %d on this node): resuming from %s", restart_count(), chosen)
+        return chosen
+    if runs:
+        log.info("restarted by the launcher: no complete checkpoint of this launch yet; starting afresh")
+    return requested

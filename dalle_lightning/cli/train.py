@@ -28,7 +28,8 @@ from dalle_lightning_callbacks.random_state import RandomState
 from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
-from dalle_lightning.cli.resume import resume_checkpoint
+from dalle_lightning.cli.resume import candidate_runs, launch_runs, restart_checkpoint, resume_checkpoint
+from dalle_lightning_plugins.elastic import init_default_group, launch_ids
 from dalle_lightning.lineage import stage_record
 from dalle_lightning_plugins.atomic_files import write_json
 
@@ -113,9 +114,16 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     if not cfg.trainer.enable_progress_bar:  # Lightning refuses a bar callback with the bar disabled
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     logger = instantiate(cfg.logger) if cfg.logger else False
+    ids = launch_ids()  # set where a restarting launcher (torchrun, SLURM) started this process
+    if ids and launch_runs(candidate_runs(cfg, _sweep()), ids):
+        quiet_restart()  # an earlier attempt of this launch printed Lightning's banners already
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
-    if ckpt_path is not None:
+    if not inherited_group:  # torchrun, srun: the group now, so that the ranks agree on where to continue
+        init_default_group(trainer.strategy)
+    restarted = restart_checkpoint(cfg, ckpt_path, _run_dir(), _sweep(), ids)  # says so itself when it changes it
+    if ckpt_path is not None and restarted == ckpt_path:
         log.info("resuming from %s", ckpt_path)
+    ckpt_path = restarted
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if getattr(datamodule, "val_shards", None) and not cfg.trainer.fast_dev_run:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
@@ -143,6 +151,13 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     if not inherited_group:  # a process group the caller made is the caller's to end
         release_process_group()
     return metrics
+
+
+def quiet_restart() -> None:
+    """A restarted attempt prints what is new only: Lightning's start-up lines (accelerators, precision, the
+    process group) were printed by the launch's first attempt and have not changed."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def release_process_group() -> None:

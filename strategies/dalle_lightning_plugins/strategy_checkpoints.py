@@ -13,6 +13,8 @@ strategy's module holds the Lightning glue of the step, and this one what goes t
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,6 +126,12 @@ class ShardedCheckpointing:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
         assert self.powersgd is not None
         path = self.broadcast(filepath)
+        named = getattr(self, "_named_collective", None)  # OneLineCollectiveFailures: a lost peer in one line
+        with named("a checkpoint's write") if named is not None else contextlib.nullcontext():
+            self._save(checkpoint, path)
+
+    def _save(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Collective: ``checkpoint`` to ``path`` in the strategy's format."""
         if self._full_checkpoints:
             self._save_full(checkpoint, path)
             return

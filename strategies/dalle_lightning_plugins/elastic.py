@@ -1,0 +1,145 @@
+"""What a worker that a launcher restarted needs to come back where its run stopped, by itself.
+
+``torchrun --max-restarts=N`` (with a c10d rendezvous) restarts every node's workers when one fails or a node
+comes back; a requeued SLURM job runs again. The restarted processes are new: this module gives them
+
+- :func:`launch_ids`: names of this launch that its restarts keep and a new launch does not share (each torchrun
+  agent's own log directory, the rendezvous id the user chose, the SLURM job), so a restarted worker can tell
+  the checkpoints of its own launch from those of earlier runs;
+- :func:`init_default_group`: the default process group exactly as Lightning makes it (backend, ranks,
+  timeout), on a store of this round only. torchrun's agents share one store over all rounds of a launch, and
+  the keys a process group writes there carry no round: a restarted rank can read the address a rank of the
+  round before published and fail to connect ("Gloo connectFullMesh failed ... Connection refused"), which
+  costs one restart each time (pytorch/pytorch#135712; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents'
+  environment is torch's own way out, which this makes unnecessary);
+- :func:`agree_on_checkpoint`: one checkpoint every rank holds complete, the same on every rank.
+
+Plain ``torch.distributed`` and Lightning's cluster environments only: any LightningModule's run can use it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+ROUND_KEY = "dalle_lightning_plugins/round_store"  # "<port>:<token>" of this round's store, in the agents' store
+TOKEN_KEY = "dalle_lightning_plugins/token"  # the same token, inside this round's store
+PROBE_TIMEOUT = timedelta(seconds=2)  # a published store that does not answer within this is an earlier round's
+
+
+def launch_ids(environ: dict[str, str] | None = None) -> list[str]:
+    """Names of this launch that stay the same over its restarts; empty when no restarting launcher started it.
+
+    - ``torchelastic:<host>:<dir>``: the directory a torchrun agent made for its workers' logs and error files
+      when it started (``TORCHELASTIC_ERROR_FILE`` is ``<dir>/attempt_<k>/<local rank>/error.json``); one per
+      node, kept by every restart of that agent.
+    - ``rdzv:<id>``: ``torchrun --rdzv-id``, when the user chose one (its default is ``none``); a new agent on a
+      replaced node has a new directory but the same id.
+    - ``slurm:<job>``: the SLURM job (with its array task), which a requeued job keeps.
+    """
+    env = os.environ if environ is None else environ
+    ids = []
+    error_file = env.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and len(Path(error_file).parents) > 3:
+        ids.append(f"torchelastic:{socket.gethostname()}:{Path(error_file).parents[2]}")
+    rdzv = env.get("TORCHELASTIC_RUN_ID", "")
+    if rdzv and rdzv != "none":
+        ids.append(f"rdzv:{rdzv}")
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        ids.append(f"slurm:{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}")
+    elif env.get("SLURM_JOB_ID"):
+        ids.append(f"slurm:{env['SLURM_JOB_ID']}")
+    return ids
+
+
+def restart_count(environ: dict[str, str] | None = None) -> int:
+    """How often the launcher restarted this node's workers (torchrun) or requeued the job (SLURM). torchrun
+    counts per node, and only failures: a node whose workers were restarted because another came back reads 0."""
+    env = os.environ if environ is None else environ
+    return max(int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), int(env.get("SLURM_RESTART_COUNT", "0") or 0))
+
+
+def round_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """A store for this round's process group: rank 0 serves a new one on a free port and publishes it, with a
+    random token, in the agents' store at ``host:port``; every other rank takes the published store whose token
+    answers, so a value left by an earlier round (its server died with its rank 0) is never used."""
+    shared = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        token = secrets.token_hex(8)
+        store.set(TOKEN_KEY, token)
+        shared.set(ROUND_KEY, f"{store.port}:{token}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        published, token = shared.get(ROUND_KEY).decode().split(":")  # waits for the first round's rank 0
+        try:
+            socket.create_connection((host, int(published)), timeout=PROBE_TIMEOUT.total_seconds()).close()
+        except OSError:  # nobody listens: an earlier round's store (asked quietly: TCPStore logs each failed try)
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"no store of this round at {host} within {timeout.total_seconds():g} s; "
+                                          f"expected rank 0 to publish one under {ROUND_KEY}") from None
+            time.sleep(0.1)
+            continue
+        try:
+            store = dist.TCPStore(host, int(published), world_size, is_master=False, timeout=PROBE_TIMEOUT)
+            if store.get(TOKEN_KEY).decode() == token:
+                store.set_timeout(timeout)
+                return store
+        except (RuntimeError, dist.DistError):
+            pass  # an earlier round's store: its rank 0 is gone, or the port serves something else now
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"no store of this round at {host} within {timeout.total_seconds():g} s; "
+                                      f"expected rank 0 to publish one under {ROUND_KEY}")
+        time.sleep(0.1)
+
+
+def init_default_group(strategy: Any) -> bool:
+    """Initialise the default process group before ``Trainer.fit`` as the strategy would (its backend, ranks and
+    timeout); Lightning then finds it made and keeps it. Under torchrun's shared store, on :func:`round_store`.
+    Returns False (and makes nothing) where the strategy starts its processes itself or runs one process."""
+    env = getattr(strategy, "cluster_environment", None)
+    if env is None or not env.creates_processes_externally or env.world_size() < 2 or dist.is_initialized():
+        return False
+    timeout = getattr(strategy, "_timeout", None) or timedelta(minutes=30)
+    backend = strategy._get_process_group_backend()
+    rank, world_size = env.global_rank(), env.world_size()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs["store"] = round_store(env.main_address, env.main_port, rank, world_size, timeout)
+    device = getattr(strategy, "root_device", None)
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    return True
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (one process: ``[value]``), over gloo whatever the default backend, so no device
+    need be chosen before the strategy chooses it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=group)
+    if group is not None:
+        dist.destroy_process_group(group)
+    return out
+
+
+def agree_on_checkpoint(complete: Sequence[str]) -> str | None:
+    """Collective: the newest checkpoint that every rank holds complete. ``complete`` is this rank's complete
+    checkpoints, newest first; a file system that shows one rank a checkpoint another does not yet see (or a
+    rank that lost it) makes all take the newest they share. None when they share none."""
+    lists = all_gather_objects(list(complete))
+    common = set(lists[0]).intersection(*map(set, lists[1:]))
+    return next((path for path in lists[0] if path in common), None)
