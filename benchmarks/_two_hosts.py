@@ -153,3 +153,14 @@ def free_port_in(hosts: TwoHosts) -> int:
     with socket.socket() as s:  # a port free on this host too, in case the caller runs one agent outside
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def elastic_torchrun(hosts: TwoHosts, node: int, per_node: int, port: int, max_restarts: int = 3) -> list[str]:
+    """The ``torchrun`` of node ``node`` as a user starts it on each machine for a run that restarts itself:
+    ``--max-restarts`` with a c10d rendezvous hosted by node 0's agent, so a node's agent and workers can come
+    and go and the agents meet again. ``--local-addr``: the namespaces share one host name, which resolves to
+    neither veth end, so each agent names its own address (on real machines the host name serves);
+    ``is_host``: node 0 serves the rendezvous, which torchrun otherwise decides by that host name."""
+    return ["torchrun", "--nnodes=2", f"--nproc-per-node={per_node}", f"--max-restarts={max_restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={ADDRESSES[0]}:{port}", f"--rdzv-conf=is_host={int(node == 0)}",
+            f"--local-addr={ADDRESSES[node]}"]

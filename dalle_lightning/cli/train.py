@@ -115,9 +115,11 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     logger = instantiate(cfg.logger) if cfg.logger else False
     ids = launch_ids()  # set where a restarting launcher (torchrun, SLURM) started this process
+    quiet: dict[str, Any] = {}
     if ids and launch_runs(candidate_runs(cfg, _sweep()), ids):
-        quiet_restart()  # an earlier attempt of this launch printed Lightning's banners already
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg))
+        quiet = quiet_restart()  # an earlier attempt of this launch printed Lightning's banners already
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg),
+                                      **quiet)
     if not inherited_group:  # torchrun, srun: the group now, so that the ranks agree on where to continue
         init_default_group(trainer.strategy)
     restarted = restart_checkpoint(cfg, ckpt_path, _run_dir(), _sweep(), ids)  # says so itself when it changes it
@@ -153,11 +155,13 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     return metrics
 
 
-def quiet_restart() -> None:
+def quiet_restart() -> dict[str, Any]:
     """A restarted attempt prints what is new only: Lightning's start-up lines (accelerators, precision, the
-    process group) were printed by the launch's first attempt and have not changed."""
+    process group, the model summary) were printed by the launch's first attempt and have not changed. Returns
+    the Trainer arguments that say so."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    return {"enable_model_summary": False}
 
 
 def release_process_group() -> None:
