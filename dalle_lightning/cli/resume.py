@@ -12,6 +12,10 @@ Inside a multirun sweep (``dalle-train -m ... resume=auto``) a job's runs live u
 sweep's jobs with this job's overrides (``resume=`` aside), its own directory included, since a requeued job (SLURM
 preemption or time limit, ``hydra.launcher.max_num_timeout``) runs again in the very directory it was interrupted
 in. A job with no checkpoint yet (its first start) starts afresh, so one command serves both.
+
+Whatever ``resume`` says, a worker that a restarting launcher started again (``torchrun --max-restarts``, a requeued
+SLURM job) continues its own launch: :func:`restart_checkpoint` finds the unfinished runs of the launch
+(``launch.json``) and the ranks agree on the newest checkpoint they all hold.
 """
 
 from __future__ import annotations
