@@ -8,6 +8,8 @@
   conditional sampling and skips the unconditional half.
 - **Image priming**: ``image_prefix`` holds the first tokens in raster order (e.g. the top 15 of 32 rows, the
   paper's image-to-image translation); they are kept as given and the rest is generated.
+- **CUDA graphs** (``graphs``): on a GPU the decode step is captured once and replayed for every token
+  (:mod:`dalle_lightning.generation.graph_decode`), the same tokens as the eager step.
 - **Reproducible**: one uniform number per image per step from ``generator``, turned into a token by inverting the
   filtered distribution's CDF, so cached and uncached sampling draw exactly the same tokens for the same seed.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dalle_lightning.generation.graph_decode import DecodeStep, decode_step, use_graphs
 from dalle_lightning.models.prior import DallePrior, KVCache
 
 
@@ -59,8 +62,10 @@ def sample_image_tokens(
     image_prefix: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    graphs: bool | str = "auto",
 ) -> torch.Tensor:
-    """Sample ``[B, N]`` image tokens for captions ``text [B, T]`` (0 = padding), see the module docstring."""
+    """Sample ``[B, N]`` image tokens for captions ``text [B, T]`` (0 = padding), see the module docstring.
+    ``graphs``: replay the decode step as a CUDA graph (``auto``: on a GPU, for an unsharded model)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; expected a positive number")
     b, n_image = text.shape[0], model.image_len
@@ -95,10 +100,13 @@ def sample_image_tokens(
         if use_cache:
             cache = KVCache()
             logits = model.prefill(text_in, both(tokens[:, :start]), cache)
+            step: DecodeStep | None = None
             for n in range(start, n_image):
                 tokens[:, n] = pick(logits)
                 if n < n_image - 1:
-                    logits = model.decode(both(tokens[:, n]), cache)
+                    if step is None:  # the cache is whole now: a graph may hold its addresses
+                        step = decode_step(model, cache, both(tokens[:, n]), use_graphs(graphs, text.device, model))
+                    logits = step(both(tokens[:, n]), n)
         else:
             for n in range(start, n_image):
                 tokens[:, n] = pick(model.logits(text_in, both(tokens[:, :n]))[1][:, -1])

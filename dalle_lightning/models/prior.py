@@ -50,9 +50,14 @@ class LayerKV:
     max_len: int
     kv: torch.Tensor | None = None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor) -> None:
+        """Keys and values ``[B, H, n, D]`` at positions ``start ..``; a one-element tensor ``start`` (one position,
+        ``n = 1``) writes in place at a position the device holds, without a host value (a CUDA graph's step)."""
         if self.kv is None:
             self.kv = k.new_zeros((2, *k.shape[:2], self.max_len, k.shape[-1]))
+        if isinstance(start, torch.Tensor):
+            self.kv.index_copy_(3, start.view(1), torch.stack((k, v)).to(self.kv.dtype))
+            return
         end = start + k.shape[-2]
         self.kv[0, :, :, start:end] = k
         self.kv[1, :, :, start:end] = v
@@ -102,8 +107,9 @@ class AttentionBranch(nn.Module):
         y = attention(q, k, v, self.layout, self.impl)
         return _OUT(self, y) if compiled else self._out(y)
 
-    def decode(self, x: torch.Tensor, kv: LayerKV, pos: int) -> torch.Tensor:
-        """One new image position ``pos`` (``x: [B, 1, d]``) against the cache: O(its mask row)."""
+    def decode(self, x: torch.Tensor, kv: LayerKV, pos: int | torch.Tensor) -> torch.Tensor:
+        """One new image position ``pos`` (``x: [B, 1, d]``; an int, or a one-element tensor on the device) against
+        the cache: O(its mask row)."""
         q, k, v = self._qkv(x)
         kv.write(k, v, pos)
         assert kv.kv is not None
@@ -151,7 +157,7 @@ class Layer(nn.Module):
         x = x + self.attn(x, kv)
         return x + self.mlp(x)
 
-    def decode(self, x: torch.Tensor, kv: LayerKV, pos: int) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, kv: LayerKV, pos: int | torch.Tensor) -> torch.Tensor:
         x = x + self.attn.decode(x, kv, pos)
         return x + self.mlp(x)
 
@@ -279,9 +285,10 @@ class DallePrior(nn.Module):
         ids = torch.where(text == 0, self.text_vocab_size + pos, text)
         return self.text_emb(ids) + self.text_pos(pos)
 
-    def embed_image(self, image: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """``[B, n] -> [B, n, d]`` for image tokens at raster indices ``start .. start + n - 1``."""
-        pos = torch.arange(start, start + image.shape[1], device=image.device)
+    def embed_image(self, image: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """``[B, n] -> [B, n, d]`` for image tokens at raster indices ``start .. start + n - 1`` (``start`` may be a
+        one-element tensor on the device)."""
+        pos = start + torch.arange(image.shape[1], device=image.device)
         return self.image_emb(image) + self.row_emb(pos // self.image_grid) + self.col_emb(pos % self.image_grid)
 
     def _embed(self, text: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
@@ -338,8 +345,17 @@ class DallePrior(nn.Module):
         n = pos - self.n_text
         if not 0 <= n < self.image_len - 1:
             raise ValueError(f"cache holds {pos} positions; expected {self.n_text} .. {self.max_len - 2} to decode")
-        x = self.embed_image(token.view(-1, 1), start=n)
+        logits = self.decode_at(token, n, cache)  # a host int: no device value to read or copy per token
+        cache.length = pos + 1
+        return logits
+
+    def decode_at(self, token: torch.Tensor, image_pos: int | torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """:meth:`decode` at image position ``image_pos``, without checks and without moving ``cache.length``. Given
+        as a one-element tensor on the device, the step runs the same kernels with the same shapes at every position
+        and reads no host value, so one CUDA graph replays it for every token
+        (``dalle_lightning.generation.graph_decode``)."""
+        x = self.embed_image(token.view(-1, 1), start=image_pos)
+        pos = image_pos + self.n_text
         for layer, kv in zip(self.layers, cache.layers):
             x = layer.decode(x, kv, pos)
-        cache.length = pos + 1
         return self._heads(x[:, -1], self.image_head)

@@ -227,13 +227,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: A
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: AttentionLayout, image_pos: int) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: AttentionLayout,
+                     image_pos: int | torch.Tensor) -> torch.Tensor:
     """One image query ``q: [B, H, 1, D]`` at image index ``image_pos`` against the cache ``kv_cache: [2, B, H, L, D]``
     (keys, values), gathering only the positions of its mask row (text + its few image keys): O(attended) per
-    generated token, one gather and one fused attention call per layer."""
+    generated token, one gather and one fused attention call per layer. ``image_pos`` may be a one-element tensor
+    on the device: every shape is then the same at every position, as a CUDA graph replaying the step needs."""
     index, valid = decode_tables(layout, q.device)
-    keys, values = kv_cache.index_select(3, index[image_pos]).unbind(0)
-    mask = valid[image_pos].view(1, -1)
+    if isinstance(image_pos, torch.Tensor):
+        row, mask = index.index_select(0, image_pos.view(1)).view(-1), valid.index_select(0, image_pos.view(1))
+    else:
+        row, mask = index[image_pos], valid[image_pos].view(1, -1)
+    keys, values = kv_cache.index_select(3, row).unbind(0)
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     # Written out on CPU for the same reason as causal_attention: one query meets few keys.
