@@ -13,6 +13,9 @@ update). Median of ``--steps`` steps after ``--warmup``; the compiled rows' firs
 - ``dvae`` rows: the paper's dVAE (``conf/model/dvae_paper.yaml``: 256x256, 8192 codes), batch 32, channels-last,
   the plugin against ``torch.autocast``; FLOPs from torch's flop counter.
 - ``fraction_of_peak`` divides model FLOP/s by the bf16 matrix peak measured in the same process (8192^3).
+- ``sample_*`` rows (``_sampling_rows.py``): the decode loop eager and on CUDA graphs, the demo prior at batch 64
+  and the 353M prior at batch 16: ms per token step, images/s, the same tokens, and the step's bytes over the
+  copy bandwidth measured in the same process (``times_the_bound``).
 - The last line counts dynamo's graphs for FlexAttention and for each compiled region (cache entries of their code
   objects) and the recompile-limit or unfused-fallback warnings seen over the whole run.
 
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from _sampling_rows import rows as sampling_rows
 from plugins_overhead import lightning_step
 from prior_throughput import model_flops_per_token
 
@@ -238,6 +242,7 @@ def main() -> None:
     parser.add_argument("--fp32-matmul", choices=["highest", "high", "medium"], default="high")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager rows only")
+    parser.add_argument("--no-sampling", action="store_true", help="skip the sampling rows (benchmarks/_sampling_rows.py)")
     args = parser.parse_args()
     every = rows()
     if args.list:
@@ -275,6 +280,12 @@ def main() -> None:
             except torch.OutOfMemoryError:
                 print(json.dumps({"row": row.name, "error": "out of memory"}), flush=True)
                 torch.cuda.empty_cache()
+        if not args.no_sampling:
+            if time.perf_counter() - began > args.budget_s:
+                skipped.append("sampling")
+            else:
+                for line in sampling_rows(device, args.smoke):
+                    print(json.dumps(line), flush=True)
     fallbacks = [str(w.message).splitlines()[0][:200] for w in caught if "without torch.compile" in str(w.message)]
     print(json.dumps({"graphs": graph_counts(), "recompile_limit_messages": seen.messages,
                       "unfused_fallback_warnings": fallbacks, "skipped_rows": skipped,

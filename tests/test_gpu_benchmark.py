@@ -23,6 +23,10 @@ def test_gpu_check_smoke_runs_every_eager_row_on_the_cpu() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     header, measured, summary = lines[0], lines[1:-1], lines[-1]
+    sampled = [r for r in measured if r["row"].startswith("sample_")]
+    measured = [r for r in measured if not r["row"].startswith("sample_")]
+    assert [r["row"] for r in sampled] == ["sample_tiny_b4_eager"]  # no graphs without CUDA
+    assert sampled[0]["ms_per_token_step"] > 0 and sampled[0]["times_the_bound"] > 0 and sampled[0]["same_tokens_as_eager"]
     assert header["device"] == "cpu" and header["bf16_peak_tflop_s"] > 0
     assert [r["row"] for r in measured] == [name for name in listed if name.endswith("_eager")]
     for r in measured:

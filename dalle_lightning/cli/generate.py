@@ -30,7 +30,7 @@ log = logging.getLogger("dalle_lightning.generation.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
         "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "prime_image",
-        "prime_rows", "rerank", "verbose"}
+        "prime_rows", "rerank", "verbose", "graphs"}
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -80,7 +80,7 @@ def run(cfg: DictConfig) -> Generation:
     result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,
                           seed=cfg.seed, image_prefix=None if primed is None else primed[1], progress=True,
-                          rerank=cfg.rerank)
+                          rerank=cfg.rerank, graphs=cfg.graphs)
     clear_samples(out)
     files = []
     if primed is not None:

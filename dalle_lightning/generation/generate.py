@@ -107,7 +107,7 @@ class Generator:
     def generate(self, prompts: list[str], num_candidates: int = 1, batch_size: int = 64, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, cond_scale: float = 1.0, seed: int = 0,
                  image_prefix: torch.Tensor | None = None, progress: bool = False, rerank: str = "clip",
-                 prior_scores: bool = False) -> Generation:
+                 prior_scores: bool = False, graphs: bool | str = "auto") -> Generation:
         """Draw ``num_candidates`` images per prompt and keep the best by ``rerank`` (``clip`` without a CLIP
         loaded keeps the first). ``image_prefix`` (``[P, L]`` tokens, one row per prompt) starts every candidate of
         its prompt: image priming. ``prior_scores=True`` computes the prior's scores whatever ``rerank`` is."""
@@ -127,7 +127,7 @@ class Generator:
             chunk = slice(start, start + batch_size)
             tokens = sample_image_tokens(
                 self.prior, text[chunk], temperature=temperature, top_k=top_k, top_p=top_p, cond_scale=cond_scale,
-                image_prefix=None if prefix is None else prefix[chunk], generator=gen,
+                image_prefix=None if prefix is None else prefix[chunk], generator=gen, graphs=graphs,
             )
             grid = tokens.view(-1, self.prior.image_grid, self.prior.image_grid)
             images.append(self.dvae.decode_indices(grid).float().clamp(0, 1).cpu())

@@ -19,6 +19,7 @@ Plain ``torch.distributed`` and Lightning's cluster environments only: any Light
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -119,6 +120,10 @@ def init_default_group(strategy: Any) -> bool:
     device = getattr(strategy, "root_device", None)
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device
+    # Lightning's own line for this event, through its logger, so the run reads as Lightning's would
+    logging.getLogger("lightning.fabric.utilities.distributed").info(
+        f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}"
+        + (" (on a store of this round)" if "store" in kwargs else ""))
     dist.init_process_group(**kwargs)
     return True
 
