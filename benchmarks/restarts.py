@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +38,7 @@ _spec.loader.exec_module(two_hosts)
 
 ALL_CASES = [f"{f}:{s}:{n}" for f in ("link_cut", "worker_killed") for s in ("sharded_powersgd", "local_steps")
              for n in (1, 2)]
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
 CPP_FRAMES = ("frame #", "<omitting python frames>", "Exception raised from ")  # one torch warning's C++ stack
 
 
@@ -53,23 +55,24 @@ def inputs(work: Path) -> None:
     subprocess.run([*py, "dalle_lightning.cli.encode", w, "batch_size=32"], **quiet)
 
 
-def launch(hosts: two_hosts.TwoHosts, work: Path, out: Path, strategy: str, per_node: int, steps: int,
+def launch(hosts: two_hosts.TwoHosts, work: Path, out: Path, strategy: str, per_node: int, run: Sequence[str],
            *overrides: str) -> list[subprocess.Popen]:
+    """One agent per namespace, as a user starts them; run directories by ``${run_id:}`` under ``<out>/runs``."""
     out.mkdir(parents=True, exist_ok=True)
     port = 29400 + int.from_bytes(os.urandom(2), "little") % 1000
     torchrun = str(Path(sys.executable).parent / "torchrun")
     extra = ["strategy.powersgd_rank=2"] if strategy == "sharded_powersgd" else []
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}  # a caller's own launch settings stay out
     agents = []
     for node in (0, 1):
         argv = [torchrun, *two_hosts.elastic_torchrun(hosts, node, per_node, port)[1:], "-m", "dalle_lightning.cli.train",
                 "stage=prior", f"paths.work_dir={work}", f"strategy={strategy}", f"trainer.devices={per_node}",
                 "trainer.num_nodes=2", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "data.batch_size=4",
                 "callbacks.fid=null", "callbacks.sample_grid=null", "trainer.limit_val_batches=0", "data.shuffle_buffer=0",
-                f"paths.runs={out}/runs", f"output={out}/prior.pt", f"trainer.max_steps={steps}",
-                "callbacks.checkpoint.every_n_train_steps=50", "strategy.timeout=20", *extra, *overrides]
+                f"paths.runs={out}/runs", f"output={out}/prior.pt", *run, *extra, *overrides]
         agents.append(subprocess.Popen(hosts.command(node, argv, env), stdout=open(out / f"node{node}.log", "w"),
-                                       stderr=subprocess.STDOUT, cwd=work, start_new_session=True))
+                                       stderr=subprocess.STDOUT, cwd=work, start_new_session=True, env=clean))
     return agents
 
 
@@ -92,17 +95,23 @@ def same(a: Path, b: Path) -> bool:
     return all(torch.equal(x[k], v) for k, v in y.items() if torch.is_tensor(v))
 
 
-def run_case(hosts: two_hosts.TwoHosts, work: Path, case: str, steps: int, at: int) -> dict:
+def run_case(hosts: two_hosts.TwoHosts, work: Path, case: str, steps: int = 300, at: int = 175, every: int = 50,
+             timeout: int = 20, *overrides: str) -> dict:
+    """``case`` (``failure:strategy:devices_per_node``) without and with its failure at update ``at``, checkpoints
+    every ``every`` updates, ``strategy.timeout=timeout``; ``overrides`` go to both runs. The result's ``logs``
+    is the broken run's folder (``node0.log``, ``node1.log``)."""
     failure, strategy, per_node = case.split(":")
     per_node_n = int(per_node)
     base = work / case.replace(":", "-")
+    run = [f"trainer.max_steps={steps}", f"callbacks.checkpoint.every_n_train_steps={every}",
+           f"strategy.timeout={timeout}", *overrides]
     start = time.monotonic()
-    straight_codes = wait(launch(hosts, work, base / "straight", strategy, per_node_n, steps))
+    straight_codes = wait(launch(hosts, work, base / "straight", strategy, per_node_n, run))
     straight_s = time.monotonic() - start
     start = time.monotonic()
     if failure == "link_cut":
         flag = base / "hold"
-        agents = launch(hosts, work, base / "broken", strategy, per_node_n, steps, f"+callbacks.pause.flag={flag}",
+        agents = launch(hosts, work, base / "broken", strategy, per_node_n, run, f"+callbacks.pause.flag={flag}",
                         "+callbacks.pause._target_=tests.pause_at.PauseAt", f"+callbacks.pause.update={at}")
         while not flag.with_suffix(".paused").exists() and all(a.poll() is None for a in agents):
             time.sleep(0.1)
@@ -111,7 +120,7 @@ def run_case(hosts: two_hosts.TwoHosts, work: Path, case: str, steps: int, at: i
         time.sleep(30)
         hosts.set_link(True)
     else:
-        agents = launch(hosts, work, base / "broken", strategy, per_node_n, steps, "+callbacks.kill._target_=tests.kill_at.KillAt",
+        agents = launch(hosts, work, base / "broken", strategy, per_node_n, run, "+callbacks.kill._target_=tests.kill_at.KillAt",
                         f"+callbacks.kill.update={at}", f"+callbacks.kill.rank={per_node_n}", "+callbacks.kill.attempt=0")
     codes = wait(agents)
     broken_s = time.monotonic() - start
@@ -120,8 +129,9 @@ def run_case(hosts: two_hosts.TwoHosts, work: Path, case: str, steps: int, at: i
             "exact": (base / "broken" / "prior.pt").exists() and same(base / "broken" / "prior.pt", base / "straight" / "prior.pt"),
             "resumed": "restarted by the launcher" in text and "starting afresh" not in text,
             "tracebacks": text.count("Traceback"), "uninterrupted_s": round(straight_s, 1), "broken_s": round(broken_s, 1),
-            "lost_s": round(broken_s - straight_s, 1), "failure_at_update": at, "last_checkpoint_update": at // 50 * 50,
-            "extra_log_lines_per_node": [b - s for b, s in zip(log_lines(base / "broken"), log_lines(base / "straight"))]}
+            "lost_s": round(broken_s - straight_s, 1), "failure_at_update": at, "last_checkpoint_update": at // every * every,
+            "extra_log_lines_per_node": [b - s for b, s in zip(log_lines(base / "broken"), log_lines(base / "straight"))],
+            "logs": str(base / "broken")}
 
 
 def main() -> None:

@@ -233,88 +233,26 @@ def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
 
 
 # ---------------------------------------------------------------------------------------------- restarts by themselves
-# One `torchrun --max-restarts=3` agent per namespace with a c10d rendezvous, as on two machines
-# (benchmarks/_two_hosts.elastic_torchrun); nothing but the failure is done to the run.
+# One `torchrun --max-restarts=3` agent per namespace with a c10d rendezvous, as on two machines, each case run
+# without and with its failure by benchmarks/restarts.py (which also runs the whole matrix for docs/results.md).
 
-RESTART_RUN = ("trainer.max_steps=60", "callbacks.checkpoint.every_n_train_steps=20", f"strategy.timeout={TIMEOUT_S}")
-RESTART_CASES = [("link_cut", "sharded_powersgd", 1), ("worker_killed", "local_steps", 2)]
+_spec = importlib.util.spec_from_file_location("_restarts", ROOT / "benchmarks" / "restarts.py")
+assert _spec is not None and _spec.loader is not None
+restarts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(restarts)
 MAX_EXTRA_LINES = 10  # per node per failure, over the uninterrupted run's log
 
 
-def start_elastic(hosts: two_hosts.TwoHosts, work: Path, name: str, per_node: int, strategy: str,
-                  *overrides: str) -> list[subprocess.Popen]:
-    """A user's restarting launch: run directories by ``${run_id:}`` under ``<work>/<name>/runs``."""
-    out = work / name
-    out.mkdir(parents=True, exist_ok=True)
-    port = 29400 + int.from_bytes(os.urandom(2), "little") % 1000
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")}
-    extra = ("strategy.powersgd_rank=2",) if strategy == "sharded_powersgd" else ()
-    agents = []
-    for node in (0, 1):
-        argv = [torchrun, *two_hosts.elastic_torchrun(hosts, node, per_node, port)[1:], "-m", "dalle_lightning.cli.train",
-                "stage=prior", f"paths.work_dir={work}", f"strategy={strategy}", f"trainer.devices={per_node}",
-                "trainer.num_nodes=2", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "data.batch_size=4",
-                "callbacks.fid=null", "callbacks.sample_grid=null", "trainer.enable_progress_bar=false",
-                "trainer.limit_val_batches=0", "data.shuffle_buffer=0", f"paths.runs={out}/runs",
-                f"output={out}/prior.pt", *RESTART_RUN, *extra, *overrides]
-        log = open(out / f"node{node}.log", "w")
-        agents.append(subprocess.Popen(hosts.command(node, argv, env), stdout=log, stderr=subprocess.STDOUT,
-                                       env=clean, cwd=work, start_new_session=True))
-    return agents
-
-
-CPP_FRAMES = ("frame #", "<omitting python frames>", "Exception raised from ")
-
-
-def lines(work: Path, name: str) -> list[int]:
-    """Lines per node's log. The C++ stack under a torch warning counts as its one line: torchrun's agent on
-    node 1 logs one (about 16 lines) when, at the very end, node 0's agent and its rendezvous store exit first."""
-    return [sum(1 for line in (work / name / f"node{n}.log").read_text().splitlines() if not line.startswith(CPP_FRAMES))
-            for n in (0, 1)]
-
-
-def same_weights(got: Path, want: Path) -> None:
-    a = torch.load(got, map_location="cpu", weights_only=False)
-    b = torch.load(want, map_location="cpu", weights_only=False)
-    a, b = a.get("state_dict", a), b.get("state_dict", b)
-    for key, value in b.items():
-        if torch.is_tensor(value):
-            assert torch.equal(a[key], value), key
-
-
-@pytest.mark.parametrize("failure,strategy,per_node", RESTART_CASES)
-def test_a_restarting_launcher_comes_back_without_a_person(hosts: two_hosts.TwoHosts, work: Path, tmp_path: Path,
-                                                           failure: str, strategy: str, per_node: int) -> None:
+@pytest.mark.parametrize("case", ["link_cut:sharded_powersgd:1", "worker_killed:local_steps:2"])
+def test_a_restarting_launcher_comes_back_without_a_person(hosts: two_hosts.TwoHosts, work: Path, case: str) -> None:
     """The link cut for 30 s, or one worker of node 1 killed by SIGKILL in update 31 (the last checkpoint is
     update 20's): both nodes come back by themselves, the run exits 0 with the uninterrupted run's weights bit for
     bit, and each node's log grows by a few lines, without a traceback."""
-    name = f"restart-{failure}-{strategy}-{per_node}"
-    straight = wait(start_elastic(hosts, work, f"{name}/straight", per_node, strategy), timeout=300)
-    assert straight == [0, 0], tail(logs(work, f"{name}/straight"))
-    if failure == "link_cut":
-        flag = tmp_path / "hold"
-        agents = start_elastic(hosts, work, f"{name}/broken", per_node, strategy, f"+callbacks.pause.flag={flag}",
-                               "+callbacks.pause._target_=tests.pause_at.PauseAt", "+callbacks.pause.update=30")
-        deadline = time.monotonic() + 180
-        while not flag.with_suffix(".paused").exists():
-            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), tail(logs(work, f"{name}/broken"))
-            time.sleep(0.2)
-        hosts.set_link(False)
-        flag.with_suffix(".go").touch()
-        time.sleep(30)
-        hosts.set_link(True)
-    else:
-        agents = start_elastic(hosts, work, f"{name}/broken", per_node, strategy, "+callbacks.kill._target_=tests.kill_at.KillAt",
-                               "+callbacks.kill.update=30", f"+callbacks.kill.rank={per_node}", "+callbacks.kill.attempt=0")
-    codes = wait(agents, timeout=400)
-    text = logs(work, f"{name}/broken")
-    assert codes == [0, 0], tail(text)
-    same_weights(work / name / "broken" / "prior.pt", work / name / "straight" / "prior.pt")
-    assert "restarted by the launcher" in text and "starting afresh" not in text, tail(text)  # continued
-    assert "Traceback" not in text, tail(text)
-    extra = [b - s for b, s in zip(lines(work, f"{name}/broken"), lines(work, f"{name}/straight"))]
-    assert max(extra) <= MAX_EXTRA_LINES, f"{extra} more lines\n{tail(text)}"
+    result = restarts.run_case(hosts, work, case, 60, 30, 20, TIMEOUT_S, "trainer.enable_progress_bar=false")
+    text = "\n".join((Path(result["logs"]) / f"node{n}.log").read_text() for n in (0, 1))
+    assert result["uninterrupted_exit_codes"] == [0, 0] and result["exit_codes"] == [0, 0], tail(text)
+    assert result["exact"], tail(text)
+    assert result["resumed"], tail(text)  # continued from update 20, not started over
+    assert result["tracebacks"] == 0, tail(text)
+    assert max(result["extra_log_lines_per_node"]) <= MAX_EXTRA_LINES, f"{result}\n{tail(text)}"
     _no_process_left(hosts)
