@@ -12,7 +12,7 @@ One JSON line per case: both agents' exit codes, whether ``prior.pt`` equals the
 the wall times, ``lost_s`` (the broken run's wall time less the uninterrupted run's: the failure's detection, the
 restart, the updates redone) and the log lines each node printed beyond the uninterrupted run's.
 
-    python benchmarks/restarts.py [--cases link_cut:sharded_powersgd:1,...] [--steps 300]
+    python benchmarks/restarts.py [--cases link_cut:sharded_powersgd:1,...] [--steps 300] [--overrides K=V ...]
 """
 
 from __future__ import annotations
@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(ALL_CASES), help="failure:strategy:devices_per_node, comma-separated")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--at", type=int, default=175, help="the update the failure comes at")
+    parser.add_argument("--overrides", nargs="*", default=[], help="dalle-train overrides for both runs, e.g. "
+                        "precision=resblock16 precision.dtype=bf16 (the demo's precision plugin)")
     args = parser.parse_args()
     reason = two_hosts.unavailable()
     if reason:
@@ -149,7 +151,8 @@ def main() -> None:
         work = Path(tmp)
         inputs(work)
         for case in args.cases.split(","):
-            print(json.dumps(run_case(hosts, work, case, args.steps, args.at)), flush=True)
+            result = run_case(hosts, work, case, args.steps, args.at, 50, 20, *args.overrides)
+            print(json.dumps({**result, "overrides": args.overrides}), flush=True)
 
 
 if __name__ == "__main__":

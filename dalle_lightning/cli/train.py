@@ -115,6 +115,8 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     logger = instantiate(cfg.logger) if cfg.logger else False
     ids = launch_ids()  # set where a restarting launcher (torchrun, SLURM) started this process
+    if ids:  # the launcher stops healthy workers with SIGTERM to restart them; lost_peer_exit says so in its line
+        logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector").setLevel(logging.WARNING)
     quiet: dict[str, Any] = {}
     if ids and launch_runs(candidate_runs(cfg, _sweep()), ids):
         quiet = quiet_restart()  # an earlier attempt of this launch printed Lightning's banners already
@@ -159,8 +161,11 @@ def quiet_restart() -> dict[str, Any]:
     """A restarted attempt prints what is new only: Lightning's start-up lines (accelerators, precision, the
     process group, the model summary) were printed by the launch's first attempt and have not changed. Returns
     the Trainer arguments that say so."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("lightning.pytorch", "lightning.fabric", "dalle_lightning"):  # "precision=auto: ..." too
+        logger = logging.getLogger(name)
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    if process_rank() == 0:
+        log.setLevel(logging.INFO)  # this module's lines stay: where the run continues from
     return {"enable_model_summary": False}
 
 
