@@ -243,12 +243,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager rows only")
     parser.add_argument("--no-sampling", action="store_true", help="skip the sampling rows (benchmarks/_sampling_rows.py)")
+    parser.add_argument("--sampling-only", action="store_true", help="the sampling rows alone")
     args = parser.parse_args()
     every = rows()
     if args.list:
         print("\n".join(r.name for r in every))
         return
-    chosen = [r for r in every if args.rows is None or r.name in args.rows]
+    chosen = [r for r in every if (args.rows is None or r.name in args.rows) and not args.sampling_only]
     unknown = set(args.rows or ()) - {r.name for r in every}
     if unknown:
         raise SystemExit(f"error: unknown rows {sorted(unknown)}; expected names from --list")
