@@ -111,6 +111,14 @@ def test_a_restart_continues_its_own_launch_only(tmp_path: Path) -> None:
     assert chosen == str(mine / "checkpoints" / "step=20.ckpt")
     assert OmegaConf.load(new_dir / LAUNCH_FILE)["ids"] == ours  # a third attempt finds this one too
 
+    # one SLURM job's second run of another command is not a restart of the first
+    job = ["slurm:77"]
+    _run(runs, "6-job-first-run", None, steps=(10,))
+    record_launch(runs / "prior" / "6-job-first-run", job, ["stage=prior", "trainer.max_steps=10"])
+    assert launch_runs((runs / "prior").glob("*"), job, ["stage=prior", "trainer.max_steps=99"]) == []
+    assert launch_runs((runs / "prior").glob("*"), job, ["stage=prior", "trainer.max_steps=10", "resume=auto"]) == [
+        runs / "prior" / "6-job-first-run"]
+
     # a launch's first start (no run of it yet) goes on with what resume= asked for; no launcher: nothing changes
     fresh = ["torchelastic:host:/tmp/torchelastic_new/none_c"]
     assert restart_checkpoint(cfg, None, _run(runs, "5-new-launch", None), None, fresh) is None

@@ -140,17 +140,21 @@ LAUNCH_FILE = "launch.json"  # in a run directory: the launch it belongs to (dal
 FINISHED_FILE = "metrics.json"  # written by rank 0 when the run ends: a finished run is never continued by a restart
 
 
-def launch_runs(run_dirs: Iterable[Path], ids: Iterable[str]) -> list[Path]:
-    """The run directories an earlier attempt of this launch made (its ``launch.json`` names one of ``ids``) and
-    that did not finish."""
+def launch_runs(run_dirs: Iterable[Path], ids: Iterable[str], overrides: Iterable[str] | None = None) -> list[Path]:
+    """The run directories an earlier attempt of this launch made (its ``launch.json`` names one of ``ids``), with
+    the same command-line ``overrides`` (``resume=`` aside; where known), and that did not finish. The overrides
+    tell apart two runs one SLURM job made one after the other."""
     wanted = set(ids)
+    key = None if overrides is None else list(_job_key(overrides))
     found = []
     for run in run_dirs:
         try:
-            recorded = set(json.loads((run / LAUNCH_FILE).read_text()).get("ids", []))
+            record = json.loads((run / LAUNCH_FILE).read_text())
+            recorded = set(record.get("ids", []))
         except (OSError, ValueError, AttributeError):
             continue  # not a run of a restarting launcher, or one whose file was never finished
-        if recorded & wanted and not (run / FINISHED_FILE).exists():
+        same = key is None or record.get("overrides") is None or record["overrides"] == key
+        if recorded & wanted and same and not (run / FINISHED_FILE).exists():
             found.append(run)
     return found
 
@@ -162,13 +166,16 @@ def candidate_runs(cfg: DictConfig, sweep: tuple[Path, list[str]] | None) -> lis
     return stage_runs(Path(cfg.paths.runs), cfg.stage.name)
 
 
-def record_launch(run_dir: Path, ids: Iterable[str]) -> None:
-    """Name this run's launch in its directory (rank 0), so that a restart of the launch finds the run."""
-    write_json(run_dir / LAUNCH_FILE, {"ids": sorted(set(ids)), "written": time.strftime("%Y-%m-%d %H:%M:%S")})
+def record_launch(run_dir: Path, ids: Iterable[str], overrides: Iterable[str] | None = None) -> None:
+    """Name this run's launch (and its command-line overrides) in its directory (rank 0), so that a restart of the
+    launch finds the run."""
+    write_json(run_dir / LAUNCH_FILE, {"ids": sorted(set(ids)), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                       "overrides": None if overrides is None else list(_job_key(overrides))})
 
 
 def restart_checkpoint(cfg: DictConfig, requested: str | None, run_dir: Path | None,
-                       sweep: tuple[Path, list[str]] | None, local_ids: list[str]) -> str | None:
+                       sweep: tuple[Path, list[str]] | None, local_ids: list[str],
+                       overrides: list[str] | None = None) -> str | None:
     """Collective (every rank calls it once the default process group is up, or alone): the checkpoint a run
     continues from when a restarting launcher started it again.
 
@@ -180,14 +187,14 @@ def restart_checkpoint(cfg: DictConfig, requested: str | None, run_dir: Path | N
     pooled = sorted({i for ids in all_gather_objects(local_ids) for i in ids})
     if not pooled:
         return requested
-    runs = launch_runs(candidate_runs(cfg, sweep), pooled)
+    runs = launch_runs(candidate_runs(cfg, sweep), pooled, overrides)
     complete = []
     for path in checkpoints_in(runs):
         if checkpoint_problem(path) is None:
             complete.append(str(path))
     chosen = agree_on_checkpoint(complete)
     if run_dir is not None and process_rank() == 0:
-        record_launch(run_dir, pooled)
+        record_launch(run_dir, pooled, overrides)
     if chosen is not None:
         log.info("restarted by the launcher (attempt %d on this node): resuming from %s", restart_count(), chosen)
         return chosen

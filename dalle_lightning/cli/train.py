@@ -118,13 +118,13 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     if ids:  # the launcher stops healthy workers with SIGTERM to restart them; lost_peer_exit says so in its line
         logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector").setLevel(logging.WARNING)
     quiet: dict[str, Any] = {}
-    if ids and launch_runs(candidate_runs(cfg, _sweep()), ids):
+    if ids and launch_runs(candidate_runs(cfg, _sweep()), ids, _overrides()):
         quiet = quiet_restart()  # an earlier attempt of this launch printed Lightning's banners already
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg),
                                       **quiet)
     if not inherited_group:  # torchrun, srun: the group now, so that the ranks agree on where to continue
         init_default_group(trainer.strategy)
-    restarted = restart_checkpoint(cfg, ckpt_path, _run_dir(), _sweep(), ids)  # says so itself when it changes it
+    restarted = restart_checkpoint(cfg, ckpt_path, _run_dir(), _sweep(), ids, _overrides())  # says so if it changes
     if ckpt_path is not None and restarted == ckpt_path:
         log.info("resuming from %s", ckpt_path)
     ckpt_path = restarted
@@ -198,6 +198,11 @@ def model_state_dict(trainer: pl.Trainer, module: pl.LightningModule, model: tor
 def _run_dir() -> Path | None:
     """This run's Hydra output directory (None outside a Hydra app)."""
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def _overrides() -> list[str] | None:
+    """This run's command-line overrides (None outside a Hydra app)."""
+    return [str(o) for o in HydraConfig.get().overrides.task] if HydraConfig.initialized() else None
 
 
 def _sweep() -> tuple[Path, list[str]] | None:
