@@ -136,3 +136,26 @@ def test_lost_peers_are_told_from_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))  # a bug keeps its traceback
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert not lost_peer(ours)  # one process has no peer
+
+
+def test_a_second_group_in_one_process_takes_the_new_store() -> None:
+    """Two fits in one torchrun process: the first round's store still answers (its leader object lives), and its
+    token is still published when a follower asks; the follower waits for the new one."""
+    timeout = timedelta(seconds=20)
+    agents = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timeout)
+    kept: list[dict[int, dist.Store]] = []  # the first round's leader keeps serving
+    for _ in range(2):
+        stores: dict[int, dist.Store] = {}
+        kept.append(stores)
+
+        def rank(r: int) -> None:
+            stores[r] = elastic.round_store("127.0.0.1", agents.port, r, 2, timeout)
+
+        follower = threading.Thread(target=rank, args=(1,))
+        follower.start()
+        late_leader = threading.Timer(0.5, rank, args=(0,))
+        late_leader.start()
+        follower.join(30)
+        late_leader.join(30)
+        assert stores[1].get(elastic.TOKEN_KEY) == stores[0].get(elastic.TOKEN_KEY)
+    assert kept[0][0].get(elastic.TOKEN_KEY) != kept[1][0].get(elastic.TOKEN_KEY)

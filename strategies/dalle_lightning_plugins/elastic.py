@@ -34,6 +34,7 @@ import torch.distributed as dist
 ROUND_KEY = "dalle_lightning_plugins/round_store"  # "<port>:<token>" of this round's store, in the agents' store
 TOKEN_KEY = "dalle_lightning_plugins/token"  # the same token, inside this round's store
 PROBE_TIMEOUT = timedelta(seconds=2)  # a published store that does not answer within this is an earlier round's
+_joined: set[str] = set()  # tokens of the round stores this process has joined
 
 
 def launch_ids(environ: dict[str, str] | None = None) -> list[str]:
@@ -82,6 +83,9 @@ def round_store(host: str, port: int, rank: int, world_size: int, timeout: timed
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         published, token = shared.get(ROUND_KEY).decode().split(":")  # waits for the first round's rank 0
+        if token in _joined:  # this process's own earlier group (a second fit): its store may still answer
+            time.sleep(0.1)
+            continue
         try:
             socket.create_connection((host, int(published)), timeout=PROBE_TIMEOUT.total_seconds()).close()
         except OSError:  # nobody listens: an earlier round's store (asked quietly: TCPStore logs each failed try)
@@ -94,6 +98,7 @@ def round_store(host: str, port: int, rank: int, world_size: int, timeout: timed
             store = dist.TCPStore(host, int(published), world_size, is_master=False, timeout=PROBE_TIMEOUT)
             if store.get(TOKEN_KEY).decode() == token:
                 store.set_timeout(timeout)
+                _joined.add(token)
                 return store
         except (RuntimeError, dist.DistError):
             pass  # an earlier round's store: its rank 0 is gone, or the port serves something else now
