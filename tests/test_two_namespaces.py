@@ -234,7 +234,8 @@ def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
 
 # ---------------------------------------------------------------------------------------------- restarts by themselves
 # One `torchrun --max-restarts=3` agent per namespace with a c10d rendezvous, as on two machines, each case run
-# without and with its failure by benchmarks/restarts.py (which also runs the whole matrix for docs/results.md).
+# without and with its failure by benchmarks/restarts.py, which also runs the whole matrix (2 x 2 included) for
+# docs/results.md; here one failure of each kind at 2 x 1, to keep the suite short.
 
 _spec = importlib.util.spec_from_file_location("_restarts", ROOT / "benchmarks" / "restarts.py")
 assert _spec is not None and _spec.loader is not None
@@ -243,7 +244,7 @@ _spec.loader.exec_module(restarts)
 MAX_EXTRA_LINES = 10  # per node per failure, over the uninterrupted run's log
 
 
-@pytest.mark.parametrize("case", ["link_cut:sharded_powersgd:1", "worker_killed:local_steps:2"])
+@pytest.mark.parametrize("case", ["link_cut:sharded_powersgd:1", "worker_killed:local_steps:1"])
 def test_a_restarting_launcher_comes_back_without_a_person(hosts: two_hosts.TwoHosts, work: Path, case: str) -> None:
     """The link cut for 30 s, or one worker of node 1 killed by SIGKILL in update 31 (the last checkpoint is
     update 20's): both nodes come back by themselves, the run exits 0 with the uninterrupted run's weights bit for

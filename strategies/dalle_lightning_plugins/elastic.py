@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
 
 ROUND_KEY = "dalle_lightning_plugins/round_store"  # "<port>:<token>" of this round's store, in the agents' store
 TOKEN_KEY = "dalle_lightning_plugins/token"  # the same token, inside this round's store
@@ -111,9 +112,13 @@ def round_store(host: str, port: int, rank: int, world_size: int, timeout: timed
 def init_default_group(strategy: Any) -> bool:
     """Initialise the default process group before ``Trainer.fit`` as the strategy would (its backend, ranks and
     timeout); Lightning then finds it made and keeps it. Under torchrun's shared store, on :func:`round_store`.
-    Returns False (and makes nothing) where the strategy starts its processes itself or runs one process."""
+    Returns False (and makes nothing) where Lightning's launcher starts the processes or there is one process."""
     env = getattr(strategy, "cluster_environment", None)
-    if env is None or not env.creates_processes_externally or env.world_size() < 2 or dist.is_initialized():
+    if env is None or isinstance(env, LightningEnvironment) or env.world_size() < 2 or dist.is_initialized():
+        # Lightning's own launcher: its first process starts the others inside fit, and the others see LOCAL_RANK
+        # (creates_processes_externally) while it does not, so only some ranks would join a group made here
+        return False
+    if not env.creates_processes_externally:
         return False
     timeout = getattr(strategy, "_timeout", None) or timedelta(minutes=30)
     backend = strategy._get_process_group_backend()
