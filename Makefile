@@ -29,8 +29,9 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dalle_lightning.demo out_dir=$(OUT)
 
 # Two workers: files that start processes on one, the others on the other (tests/conftest.py, make_scheduler).
+# The 15 slowest tests are listed at the end: the suite must stay well under 15 minutes on 2 cores.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
