@@ -46,6 +46,10 @@ def hosts() -> two_hosts.TwoHosts:
         pytest.skip(reason)
     with two_hosts.TwoHosts() as made:
         made.shape(200)  # a slow link: 200 Mbit/s each way
+        try:  # a link that comes back is used again within a second, not at TCP's next backed-off retry
+            made.cap_retransmit_backoff(1000)
+        except RuntimeError:
+            pass  # an older kernel without the setting: the tests wait longer
         yield made
 
 
@@ -138,7 +142,8 @@ def _no_process_left(hosts: two_hosts.TwoHosts) -> None:
         assert not pids, f"processes left in {ns}: {pids}"
 
 
-@pytest.mark.parametrize("failure", ["link_down", "node_killed"])
+# A killed node under a restarting launcher: test_a_restarting_launcher_comes_back_without_a_person.
+@pytest.mark.parametrize("failure", ["link_down"])
 def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.TwoHosts, work: Path, failure: str,
                                                               uninterrupted: Path, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
@@ -191,7 +196,9 @@ STREAMED = ("strategy.fragments=2", "strategy.sync_delay=1", "strategy.outer_com
 BLOCKING = ("strategy.sync_delay=0", "strategy.outer_comm_dtype=float32")  # DiLoCo's own sync: update 4 waits for it
 
 
-@pytest.mark.parametrize("mode", ["blocking", "streamed"])
+# DiLoCo's blocking sync fails the same way, at the outer exchange (benchmarks/restarts.py's local_steps cases
+# run with the default streamed sync; sync_delay=0 was tested here until the restart tests came).
+@pytest.mark.parametrize("mode", ["streamed"])
 def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
         hosts: two_hosts.TwoHosts, work: Path, tmp_path: Path, mode: str) -> None:
     """Paused after update 3, the link goes down: update 4's sync fails on both nodes; the newest checkpoint is
