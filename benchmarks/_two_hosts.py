@@ -101,17 +101,6 @@ class TwoHosts:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
         self.rate_mbit = rate_mbit
 
-    def cap_retransmit_backoff(self, rto_max_ms: int) -> None:
-        """Cap TCP's retransmission timeout in both namespaces (``net.ipv4.tcp_rto_max_ms``, per namespace; the
-        default is 120 s). After a link comes back, a connection that kept retransmitting into the outage resumes
-        only at its next retransmission, about 25 s later after a 30 s cut with the default backoff: tests cap it
-        to spend less time waiting; measurements keep the default."""
-        for ns in self.names:
-            done = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_rto_max_ms={rto_max_ms}"],
-                                  capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"sysctl net.ipv4.tcp_rto_max_ms in {ns} failed: {done.stderr.strip()}")
-
     def set_link(self, up: bool) -> None:
         """Take the link down (both ends) or up again: what a failed cable or switch port does."""
         for ns in self.names:

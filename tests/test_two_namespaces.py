@@ -46,10 +46,6 @@ def hosts() -> two_hosts.TwoHosts:
         pytest.skip(reason)
     with two_hosts.TwoHosts() as made:
         made.shape(200)  # a slow link: 200 Mbit/s each way
-        try:  # a link that comes back is used again within a second, not at TCP's next backed-off retry
-            made.cap_retransmit_backoff(1000)
-        except RuntimeError:
-            pass  # an older kernel without the setting: the tests wait longer
         yield made
 
 
