@@ -257,6 +257,8 @@ def test_a_restarting_launcher_comes_back_without_a_person(hosts: two_hosts.TwoH
     assert result["uninterrupted_exit_codes"] == [0, 0] and result["exit_codes"] == [0, 0], tail(text)
     assert result["exact"], tail(text)
     assert result["resumed"], tail(text)  # continued from update 20, not started over
-    assert result["tracebacks"] == 0, tail(text)
-    assert max(result["extra_log_lines_per_node"]) <= MAX_EXTRA_LINES, f"{result}\n{tail(text)}"
+    assert result["tracebacks"] == 0, tail(text)  # the workers'; torchrun's agent may report its exit barrier
+    # torchrun's exit-barrier report aside: at the very end of a run its agent on node 1 sometimes logs a traceback
+    # when node 0's agent, which serves the barrier's store, has already left (torch's teardown, not the failure)
+    assert max(result["extra_log_lines_per_node_less_torchrun_teardown"]) <= MAX_EXTRA_LINES, f"{result}\n{tail(text)}"
     _no_process_left(hosts)
