@@ -6,6 +6,7 @@ that ends in one line. The whole, under ``torchrun --max-restarts`` between two 
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -89,8 +90,10 @@ def _run(runs: Path, name: str, ids: list[str] | None, finished: bool = False, s
     (run / "checkpoints").mkdir(parents=True)
     if ids is not None:
         record_launch(run, ids)
-    for step in steps:
-        torch.save({"global_step": step}, run / "checkpoints" / f"step={step}.ckpt")
+    for step in steps:  # written in order, an update a second apart: resume=auto orders by modification time
+        path = run / "checkpoints" / f"step={step}.ckpt"
+        torch.save({"global_step": step}, path)
+        os.utime(path, (1_700_000_000 + step, 1_700_000_000 + step))
     if finished:
         (run / "metrics.json").write_text("{}")
     return run
