@@ -84,6 +84,10 @@ def _meta(blob: dict) -> dict[str, Any]:
     stage = next((name for name, part in STAGE_TARGETS.items() if part in target), None)
     if stage is not None:
         meta.setdefault("stage", stage)
+    for key in ("image_size", "text_len"):  # sizes later stages read: the building config has them too
+        value = blob["config"].get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            meta.setdefault(key, value)
     return meta
 
 
@@ -125,16 +129,26 @@ def load_frozen(model: nn.Module | str | Path) -> nn.Module:
 
 
 def read_meta(path: str | Path, key: str) -> Any:
-    """One metadata value of a saved model, or of a ``tokenizer.json`` (``vocab_size``)."""
+    """One metadata value of a saved model, or of a ``tokenizer.json`` (``vocab_size``, ``text_len``)."""
     path = Path(path)
     if path.suffix == ".json":
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; run `dalle-train stage=tokenizer` first")
-        if key != "vocab_size":
-            raise KeyError(f"tokenizer files only provide vocab_size, not {key!r}")
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(path)).get_vocab_size()
+        from dalle_lightning.data.tokenizer import recorded_text_len
+
+        tokenizer = Tokenizer.from_file(str(path))
+        if key == "vocab_size":
+            return tokenizer.get_vocab_size()
+        if key == "text_len":
+            length = recorded_text_len(tokenizer)
+            if length is None:
+                raise KeyError(f"tokenizer {str(path)!r} records no text_len (written before tokenizers recorded it); "
+                               "expected one: retrain it (dalle-train stage=tokenizer stage.force=true) or set the "
+                               "caption length explicitly (model.text_len=N for the prior, text_len=N for dalle-encode)")
+            return length
+        raise KeyError(f"tokenizer files provide vocab_size and text_len, not {key!r}")
     meta = _meta(_read(path))
     if key not in meta:
         raise KeyError(f"{str(path)!r} has no metadata {key!r}; it has {sorted(meta)}")

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dalle_lightning.artifacts import read_record
-from dalle_lightning.data.shards import is_remote, resolve_shards
+from dalle_lightning.data.shards import is_remote
 from dalle_lightning.outputs import read_marker
 from dalle_lightning.data.tokenizer import CaptionTokenizer
 
@@ -74,9 +74,12 @@ def check_pipeline(prior: str | os.PathLike, dvae: str | os.PathLike, tokenizer:
     check_same("dVAE", clip_meta.get("trained_with", {}).get("dvae"), given_dvae, "dvae", dvae, f"clip={str(clip)!r}")
 
 
-def token_shards_record(spec: Any) -> dict[str, Any]:
-    """The marker ``dalle-encode`` left beside the first local shard of ``spec`` ({} for unmarked shards)."""
-    urls = [u for u in resolve_shards(spec) if not is_remote(u)]
+def token_shards_record(spec: Any, world: Any = None, world_key: str = "paths.tokens") -> dict[str, Any]:
+    """The marker ``dalle-encode`` left beside the first local shard of ``spec`` ({} for unmarked shards);
+    ``spec`` may be ``auto`` (the shards under ``world``, ``data.splits``)."""
+    from dalle_lightning.data.splits import train_urls
+
+    urls = [u for u in train_urls("data.train_shards", spec, world, world_key) if not is_remote(u)]
     marker = read_marker(Path(urls[0]).parent) if urls else None
     return marker if marker and marker.get("kind") == "tokens" else {}
 
@@ -96,8 +99,12 @@ def stage_record(cfg: DictConfig) -> dict[str, Any]:
     if stage != "prior":
         return {}
     spec = cfg.data.train_shards
-    marker = token_shards_record(spec)
+    marker = token_shards_record(spec, cfg.data.get("world"), cfg.data.get("world_key", "paths.tokens"))
     user = f"data.train_shards={str(spec)!r} (token shards)"
+    from dalle_lightning.cli.sizes import check_token_shards
+
+    shown = spec if spec != "auto" else f"auto ({cfg.data.get('world')})"
+    check_token_shards(cfg.model.text_len, marker, "data.train_shards", shown)
     dvae_given = {"vocab_size": cfg.model.image_vocab_size, "grid_size": cfg.model.image_grid, **dvae_given}
     check_same("dVAE", marker.get("dvae"), dvae_given, "module.dvae", dvae, user)
     tokenizer = cfg.paths.tokenizer

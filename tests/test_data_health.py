@@ -82,7 +82,9 @@ def test_every_shard_unreadable_ends_with_one_line_within_seconds(tmp_path: Path
     elapsed = time.perf_counter() - start
     assert exit_info.value.code == 2 and elapsed < 20
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "yielded no batch from its 3 shard(s)" in errors[0], errors
+    # The readability probe before training: the split's key, its shards, what was skipped.
+    assert len(errors) == 1 and "data.train_shards='auto'" in errors[0], errors
+    assert "no readable image-caption sample in its 3 shard(s)" in errors[0], errors
     assert "000100.tar" in errors[0] and "unreadable shard: 3" in errors[0]
     assert not (tmp_path / "dvae.pt").exists()
 

@@ -1,5 +1,6 @@
 """Zero readable samples of a split a stage needs is a one-line error with a non-zero exit, for every stage that
-reads data (tokenizer, dvae, clip, prior, dalle-encode), and nothing is written under the output's name."""
+reads data (tokenizer, dvae, clip, prior, dalle-encode), found before any training or encoding (each split's first
+samples are read first), and nothing is written under the output's name."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def test_training_stage_without_a_readable_sample(resume_work: Path, tmp_path: P
     _unreadable(data)
     line = _error(capsys, train.main, *STAGES[stage], f"paths.work_dir={work}", "trainer.max_steps=2", *QUIET,
                   f"output={work / 'new.pt'}")
-    what = "validation" if split == "val" else "training"
-    assert f"the {what} data yielded no batch from its 3 shard(s)" in line and "unreadable shard: 3" in line
+    # Found by the probe before any training: the split's key, its shards and what was skipped.
+    unit = "token sample" if stage == "prior" else "image-caption sample"
+    assert line.startswith(f"error: data.{split}_shards='auto' ({data})"), line
+    assert f"no readable {unit} in its 3 shard(s)" in line and "unreadable shard: 3" in line
     assert not (work / "new.pt").exists()
 
 
@@ -73,7 +76,8 @@ def test_encode_without_a_readable_sample(resume_work: Path, tmp_path: Path, cap
     _unreadable(work / "world" / "val")
     before = sorted(p.name for p in (work / "tokens" / "val").iterdir())
     line = _error(capsys, encode.main, f"paths.work_dir={work}", "batch_size=16", "num_workers=0", "force=true")
-    assert "split 'val'" in line and "yielded no readable sample from its 3 shard(s)" in line
+    # Refused before the train split is encoded: every split is probed first.
+    assert "splits.val='auto'" in line and "no readable image-caption sample in its 3 shard(s)" in line
     assert "unreadable shard: 3" in line
     assert sorted(p.name for p in (work / "tokens" / "val").iterdir()) == before  # the old split is kept
     assert not [p for p in (work / "tokens").iterdir() if p.name.startswith(".")]  # no temporary left

@@ -43,7 +43,8 @@ def test_missing_shards_is_a_one_line_error_from_the_console_script(tmp_path: Pa
     )
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "does not exist" in err[0] and str(tmp_path / "world" / "train") in err[0], proc.stderr
+    assert len(err) == 1 and "does not exist" in err[0] and f"paths.world='{tmp_path / 'world'}'" in err[0], proc.stderr
+    assert err[0].startswith("error: data.train_shards=auto:"), proc.stderr  # the key, its value, then the fix
 
 
 def test_bad_image_size_is_a_one_line_error(tiny_world: Path, capsys: pytest.CaptureFixture) -> None:

@@ -18,14 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 import webdataset as wds
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dalle_lightning.artifacts import load_artifact, read_record
-from dalle_lightning.cli import checks
+from dalle_lightning.cli import checks, sizes
 from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.epoch_loader import no_data_message
 from dalle_lightning.data.shards import resolve_shards
+from dalle_lightning.data.skips import read_shards
+from dalle_lightning.data.splits import AUTO, Split, probe, resolve_splits
 from dalle_lightning.hardware import AUTO, native_bf16, resolve_device
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
@@ -41,33 +43,45 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def image_reader(image_size: int, num_workers: int, background: Any) -> ImageTextDataModule:
+    """The decoder of training's validation path (centre crop, no augmentation), its skips counted per sample."""
+    return ImageTextDataModule(image_size=image_size, num_workers=num_workers, background=background)
+
+
 @torch.no_grad()
-def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str, out_dir: Path, image_size: int,
-                 batch_size: int, shard_size: int, bf16: bool = False, num_workers: int = 0,
+def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str | Split, out_dir: Path,
+                 image_size: int, batch_size: int, shard_size: int, bf16: bool = False, num_workers: int = 0,
                  record: dict[str, Any] | None = None, background: Any = (255, 255, 255),
                  device: str = "cpu") -> int:
-    """Encode one split into ``out_dir`` (new, or token shards of an earlier run); returns the samples written.
+    """Encode one split (shards, or a ``data.splits.Split`` with its held-out filter) into ``out_dir`` (new, or
+    token shards of an earlier run); returns the samples written.
 
-    ``record`` (the dVAE and tokenizer that made the codes) goes into the directory's marker.
+    ``record`` (the dVAE and tokenizer that made the codes) goes into the directory's marker. Captions longer
+    than the tokenizer's ``text_len`` are cut, counted and reported in one line for the split.
 
     With ``num_workers`` loader processes, PNG decoding overlaps the dVAE's forward passes; the skipped and
     converted images are counted in shared memory over the workers and logged at the end as ``key=value`` lines.
     """
-    reader = ImageTextDataModule(image_size=image_size, num_workers=num_workers, background=background)
+    split = shards if isinstance(shards, Split) else Split("splits", shards, resolve_shards(shards))
+    reader = image_reader(image_size, num_workers, background)
     keyed = lambda s: None if (d := reader.decode(s, train=False)) is None else {**d, "key": s["__key__"]}  # noqa: E731
-    stream = ShardStream(resolve_shards(shards), keyed, rank=0, world_size=1, shuffle=0, seed=0,
-                         skipped=reader.skipped)
+    stream = ShardStream(split.urls, keyed, rank=0, world_size=1, shuffle=0, seed=0, skipped=reader.skipped,
+                         keep=split.keep)
     loader = torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers,
                                          pin_memory=device.startswith("cuda"))
     claim(out_dir, "tokens")
     tmp = temporary_name(out_dir)  # this run's own name: a second run never writes into or removes it
     tmp.mkdir(parents=True)
+    tokenizer.truncated = tokenizer.longest = 0
     try:
         n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record, torch.device(device))
         report_counts(out_dir.name, reader)
+        line = tokenizer.truncation_line(f"{out_dir.name}: captions", n)
+        if line:
+            log.warning("%s", line)
         if n == 0:  # an empty split must not replace one, nor pass as encoded
-            raise ValueError(no_data_message(f"split {out_dir.name!r} ({shards})", "readable sample", stream.urls,
-                                             reader.skipped.summary))
+            raise ValueError(no_data_message(f"split {out_dir.name!r} ({split.describe()})", "readable sample",
+                                             stream.urls, reader.skipped.summary))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -104,11 +118,37 @@ def _write_tokens(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, loader: to
     return n
 
 
+def input_splits(cfg: DictConfig) -> dict[str, Split]:
+    """Output split name -> what it reads: ``auto`` splits found under ``world`` as training finds them (a held-out
+    validation slice where the download has no ``val/``), other values as shards; null splits are left out."""
+    wanted = {name: spec for name, spec in cfg.splits.items() if spec is not None}
+    if not wanted:
+        raise ValueError(f"splits={OmegaConf.to_container(cfg.splits)!r} names no split; expected at least "
+                         "splits.train (auto, or shards)")
+    out: dict[str, Split | None] = {}
+    for name, spec in wanted.items():
+        key = f"splits.{name}"
+        if spec == AUTO and name not in ("train", "val"):
+            raise ValueError(f"{key}=auto; expected shards (auto finds the train and val splits only)")
+        out[name] = None if spec == AUTO else Split(key, spec, resolve_shards(spec, key=key))
+    if wanted.get("train") == AUTO or wanted.get("val") == AUTO:
+        # As training finds them: a held-out validation slice is left out of the encoded train split too.
+        train, val = resolve_splits(cfg.world, wanted.get("train", AUTO), AUTO if wanted.get("val") == AUTO else None,
+                                    cfg.val_holdout, prefix="", world_key="paths.world",
+                                    keys=("splits.train", "splits.val"))
+        if wanted.get("train") == AUTO:
+            out["train"] = Split("splits.train", AUTO, train.urls, train.keep if wanted.get("val") == AUTO else None)
+        if wanted.get("val") == AUTO:
+            out["val"] = Split("splits.val", AUTO, val.urls, val.keep) if val is not None else None
+    return {name: split for name, split in out.items() if split is not None}
+
+
 def run(cfg: DictConfig) -> dict[str, int]:
     check_keys(cfg, {"paths", "dvae", "tokenizer", "text_len", "image_size", "background", "splits", "out_dir", "shard_size",
-                     "batch_size", "bf16", "num_workers", "force", "verbose", "device"})
+                     "batch_size", "bf16", "num_workers", "force", "verbose", "device", "world", "val_holdout"})
     checks.input_file(cfg, "dvae", "a trained dVAE (dalle-train stage=dvae)")
     checks.input_file(cfg, "tokenizer", "a tokenizer.json (dalle-train stage=tokenizer)")
+    read_record(cfg.dvae, "dvae", "dvae")  # a file of another stage, before its sizes are read from it
     for key in ("text_len", "image_size", "shard_size", "batch_size"):
         checks.integer(cfg, key, minimum=1)
     checks.integer(cfg, "num_workers", minimum=0)
@@ -116,13 +156,19 @@ def run(cfg: DictConfig) -> dict[str, int]:
     checks.device(cfg)
     checks.boolean(cfg, "force")
     checks.output_dir(cfg, "out_dir")
+    sizes.check_encode(cfg)
     out = Path(cfg.out_dir)
-    if not cfg.force and all(claim(out / s, "tokens") and any((out / s).glob("*.tar")) for s in cfg.splits):
-        check_reused(out, cfg)
+    splits = input_splits(cfg)
+    if not cfg.force and all(claim(out / s, "tokens") and any((out / s).glob("*.tar")) for s in splits):
+        check_reused(out, cfg, splits)
         log.info("token shards exist in %s; reusing them (force=true rewrites)", out)
         return {}
-    for split in cfg.splits:  # refuse before encoding anything, not after the first split
+    for split in splits:  # refuse before encoding anything, not after the first split
         claim(out / split, "tokens")
+    for split in splits.values():  # an unreadable split fails now, not after the others are encoded
+        reader = image_reader(cfg.image_size, 0, list(cfg.background))
+        probe(split, lambda urls: read_shards(urls, reader.skipped), lambda s: reader.decode(s, train=False),
+              reader.skipped.summary, reader.unit)
     tokenizer = CaptionTokenizer.load(cfg.tokenizer, text_len=cfg.text_len)
     dvae, meta = load_artifact(cfg.dvae, stage="dvae", key="dvae")
     device = resolve_device(cfg.device)
@@ -131,21 +177,19 @@ def run(cfg: DictConfig) -> dict[str, int]:
               "tokenizer": tokenizer_record(cfg.tokenizer, tokenizer.vocab_size), "text_len": cfg.text_len}
     bf16 = native_bf16("cuda" if device.startswith("cuda") else "cpu") if cfg.bf16 == AUTO else cfg.bf16
     counts = {}
-    for split, shards in cfg.splits.items():
+    for split, shards in splits.items():
         counts[split] = encode_split(dvae, tokenizer, shards, out / split, cfg.image_size, cfg.batch_size,
                                      cfg.shard_size, bf16=bf16, num_workers=cfg.num_workers, record=record,
                                      background=list(cfg.background), device=device)
         log.info("%s: %d samples -> %s", split, counts[split], out / split)
-    if tokenizer.truncated:
-        log.warning("%d captions were longer than text_len=%d and truncated", tokenizer.truncated, cfg.text_len)
     return counts
 
 
-def check_reused(out: Path, cfg: DictConfig) -> None:
+def check_reused(out: Path, cfg: DictConfig, splits: dict[str, Split]) -> None:
     """Token shards kept from an earlier run must come from this dVAE and tokenizer (unknown for older shards)."""
     meta = read_record(cfg.dvae, "dvae", "dvae")
     tokenizer = CaptionTokenizer.load(cfg.tokenizer)
-    for split in cfg.splits:
+    for split in splits:
         marker = read_marker(out / split) or {}
         user = f"the token shards in {str(out / split)!r} (force=true re-encodes)"
         check_same("dVAE", marker.get("dvae"), dvae_record(meta), "dvae", cfg.dvae, user)

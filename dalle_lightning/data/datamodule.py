@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,8 +31,9 @@ from typing_extensions import override
 
 from dalle_lightning.data.epoch_loader import NonEmptyLoader
 from dalle_lightning.data.resumable_loader import ResumableLoader
-from dalle_lightning.data.shards import consumer_index, resolve_shards, split_for
+from dalle_lightning.data.shards import consumer_index, split_for
 from dalle_lightning.data.skips import SharedCounts, SkipCounter, read_shards
+from dalle_lightning.data.splits import Split, probe, resolve_splits
 from dalle_lightning.data.transforms import (CONVERSIONS, WHITE, background_colour, center_square_resize, decode_image,
                                              paper_augment, to_tensor)
 
@@ -43,6 +44,7 @@ EPOCH_KEY = "__epoch__"  # set on every raw sample: per-sample draws (augmentati
 
 
 RANK_SPLITS = ("samples", "shards")
+CUT_CAPTION = "caption cut to text_len"
 
 
 class ShardStream(IterableDataset):
@@ -64,13 +66,15 @@ class ShardStream(IterableDataset):
     """
 
     def __init__(self, urls: list[str], decode: Any, rank: int, world_size: int, shuffle: int, seed: int,
-                 split: str = "samples", skipped: SkipCounter | None = None) -> None:
+                 split: str = "samples", skipped: SkipCounter | None = None,
+                 keep: Callable[[dict[str, Any]], bool] | None = None) -> None:
         super().__init__()
         if split not in RANK_SPLITS:
             raise ValueError(f"rank_split={split!r}; expected one of {RANK_SPLITS}")
         self.urls, self.decode, self.rank, self.world_size = urls, decode, rank, world_size
         self.shuffle, self.seed, self.epoch, self.split = shuffle, seed, 0, split
         self.skipped = skipped  # where unreadable shards are counted (None: logged only)
+        self.keep = keep  # which raw samples belong to this split (data.splits.HoldOut), before any shuffling
         self.replaced = 0  # undecodable samples stood in for by the previous good one ("samples" split)
 
     def set_epoch(self, epoch: int) -> None:
@@ -86,6 +90,8 @@ class ShardStream(IterableDataset):
         mine = urls if by_sample else split_for(urls, self.rank, self.world_size)
         # Every consumer reads every shard in the "samples" split: only the first counts a shard it cannot read.
         stream = read_shards(mine, self.skipped if not by_sample or consumer == 0 else None)
+        if self.keep is not None:
+            stream = (sample for sample in stream if self.keep(sample))
         stream = ({**sample, EPOCH_KEY: self.epoch} for sample in stream)
         if self.shuffle:
             stream = wds.filters._shuffle(stream, self.shuffle, initial=min(100, self.shuffle), rng=rng)
@@ -112,7 +118,12 @@ class ShardStream(IterableDataset):
 
 
 class WebDataModule(pl.LightningDataModule):
-    """Shared plumbing: shard resolution, rank split, loaders. Subclasses define ``decode(sample)``."""
+    """Shared plumbing: shard resolution, rank split, loaders. Subclasses define ``decode(sample)``.
+
+    ``train_shards`` and ``val_shards`` may be ``auto``: found under ``world`` (``data.splits``: ``train/`` and
+    ``val/`` folders, or one folder of shards with validation held out of the last training shard)."""
+
+    unit = "sample"  # what a split holds, for messages
 
     def __init__(
         self,
@@ -123,6 +134,9 @@ class WebDataModule(pl.LightningDataModule):
         shuffle_buffer: int = 1000,
         seed: int = 0,
         rank_split: str = "samples",
+        world: str | None = None,
+        val_holdout: float = 0.1,
+        world_key: str = "paths.world",
     ) -> None:
         super().__init__()
         if batch_size <= 0:
@@ -131,6 +145,8 @@ class WebDataModule(pl.LightningDataModule):
             raise ValueError(f"rank_split={rank_split!r}; expected one of {RANK_SPLITS}")
         self.rank_split = rank_split
         self.train_shards, self.val_shards = train_shards, val_shards
+        self.world, self.val_holdout, self.world_key = world, val_holdout, world_key
+        self._splits: tuple[Split, Split | None] | None = None
         self.batch_size, self.num_workers = batch_size, num_workers
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.skipped = SkipCounter(workers=num_workers)
@@ -144,10 +160,46 @@ class WebDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
-    def stream(self, shards: str | Sequence[str], shuffle: int) -> ShardStream:
+    def splits(self) -> tuple[Split, Split | None]:
+        """The training and validation splits (``data.splits``), resolved once (and said once)."""
+        if self._splits is None:
+            if self.train_shards is None:
+                raise ValueError("data.train_shards=None; expected auto (the shards under the world folder), a "
+                                 "directory of .tar shards, a shard or a brace pattern")
+            self._splits = resolve_splits(self.world, self.train_shards, self.val_shards, self.val_holdout,
+                                          world_key=self.world_key)
+        return self._splits
+
+    def has_validation(self) -> bool:
+        """Whether a validation split exists (a ``val/`` folder, given shards, or a held-out slice)."""
+        return self.splits()[1] is not None
+
+    def stream(self, split: Split, shuffle: int, decode: Any = None) -> ShardStream:
         rank, world = self._rank()
-        return ShardStream(resolve_shards(shards), self.decode, rank, world, shuffle, self.seed, self.rank_split,
-                           self.skipped)
+        return ShardStream(split.urls, decode or self.decode, rank, world, shuffle, self.seed, self.rank_split,
+                           self.skipped, keep=split.keep)
+
+    def probe_decode(self, sample: dict[str, Any]) -> Any:
+        """Decode one sample as validation does (no augmentation draws), for ``probe``."""
+        return self.decode(sample)
+
+    def check_readable(self) -> None:
+        """Each split's first samples decode (``data.splits.probe``): an unreadable split fails before training.
+
+        The probe counts into counters of its own, so the run's counts are those of its passes over the data."""
+        counters = {name: getattr(self, name) for name in ("skipped", "converted") if hasattr(self, name)}
+        try:
+            for split in self.splits():
+                if split is None:
+                    continue
+                self.skipped = SkipCounter(quiet=True)
+                if "converted" in counters:
+                    self.converted = SharedCounts(counters["converted"].names)
+                probe(split, lambda urls: read_shards(urls, self.skipped), self.probe_decode, self.skipped.summary,
+                      self.unit)
+        finally:
+            for name, counter in counters.items():
+                setattr(self, name, counter)
 
     def skip_counts(self) -> dict[str, int]:
         """Skipped shards and samples of this process and its loader workers, by reason (every reason listed)."""
@@ -155,12 +207,10 @@ class WebDataModule(pl.LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        # Resolve early so a missing shard fails before any model work.
-        if stage == "fit" and self.train_shards is None:
-            raise ValueError("train_shards is not set; expected a shard path or brace pattern")
-        for spec in (self.train_shards, self.val_shards):
-            if spec is not None:
-                resolve_shards(spec)
+        # Resolve and read a few samples of each split now, so a missing or unreadable shard fails before any model
+        # work, not at the first validation after hours of training.
+        if stage == "fit":
+            self.check_readable()
 
     def _loader(self, dataset: ShardStream, train: bool = False) -> DataLoader:
         # An own generator for the workers' base seed: from torch's global one, every pass (validation too) would
@@ -176,7 +226,7 @@ class WebDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        self._train = self.stream(self.train_shards, self.shuffle_buffer)
+        self._train = self.stream(self.splits()[0], self.shuffle_buffer)
         return self._loader(self._train, train=True)
 
     def _order(self) -> dict[str, Any]:
@@ -184,7 +234,7 @@ class WebDataModule(pl.LightningDataModule):
         _, world = self._rank()
         return {"seed": self.seed, "batch_size": self.batch_size, "world_size": world, "num_workers": self.num_workers,
                 "rank_split": self.rank_split, "shuffle_buffer": self.shuffle_buffer,
-                "shards": [url.rsplit("/", 1)[-1] for url in resolve_shards(self.train_shards)]}
+                "shards": [url.rsplit("/", 1)[-1] for url in self.splits()[0].urls]}
 
     def _position(self) -> tuple[int, int]:
         """(epoch, batches of it already trained on) for the training pass about to start (``ResumableLoader``).
@@ -226,9 +276,10 @@ class WebDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader | list:
-        if self.val_shards is None:
+        val = self.splits()[1]
+        if val is None:
             return []
-        return self._loader(self.stream(self.val_shards, 0))
+        return self._loader(self.stream(val, 0))
 
 
 def caption_text(sample: dict[str, Any], skipped: SkipCounter, key: str) -> str | None:
@@ -256,6 +307,8 @@ class ImageTextDataModule(WebDataModule):
     decoded as a viewer shows them (``transforms.decode_image``): transparency composited onto ``background``,
     EXIF orientation applied, 16-bit greyscale scaled; ``conversion_counts()`` says how many needed each.
     """
+
+    unit = "image-caption sample"
 
     def __init__(self, image_size: int = 64, augment: bool = False, random_flip: bool = False,
                  background: Sequence[int] = WHITE, **kwargs: Any) -> None:
@@ -286,7 +339,7 @@ class ImageTextDataModule(WebDataModule):
         if text is None:
             return None
         try:
-            img = decode_image(data, self.background, self.converted.add)
+            img = decode_image(data, self.background, lambda name: self.converted.add(name, key))
         except Exception as exc:  # PIL raises many types for corrupt files
             self.skipped.skip("corrupt image", key, type(exc).__name__)
             return None
@@ -298,12 +351,13 @@ class ImageTextDataModule(WebDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader | list:
-        if self.val_shards is None:
+        val = self.splits()[1]
+        if val is None:
             return []
-        rank, world = self._rank()
-        ds = ShardStream(resolve_shards(self.val_shards), lambda s: self.decode(s, train=False), rank, world, 0, self.seed,
-                         self.rank_split, self.skipped)
-        return self._loader(ds)
+        return self._loader(self.stream(val, 0, lambda s: self.decode(s, train=False)))
+
+    def probe_decode(self, sample: dict[str, Any]) -> Any:
+        return self.decode(sample, train=False)
 
 
 class TokenDataModule(WebDataModule):
@@ -313,6 +367,8 @@ class TokenDataModule(WebDataModule):
     "caption": list[str]} (the caption string, for evaluation only).
     With a ``tokenizer`` and ``bpe_dropout`` > 0 the caption is re-encoded with BPE dropout (paper: 10%).
     """
+
+    unit = "token sample"
 
     def __init__(self, text_len: int = 256, image_tokens: int | None = None, tokenizer: Any = None,
                  bpe_dropout: float = 0.0, image_grid: int | None = None, image_vocab_size: int | None = None,
@@ -324,6 +380,12 @@ class TokenDataModule(WebDataModule):
         self.image_vocab_size, self.text_vocab_size = image_vocab_size, text_vocab_size
         if bpe_dropout and tokenizer is None:
             raise ValueError(f"bpe_dropout={bpe_dropout} needs a tokenizer to re-encode captions")
+        # Captions with more ids than the prior's positions: cut, and never silently (data/converted/*).
+        self.converted = SharedCounts((CUT_CAPTION,), workers=self.num_workers)
+
+    def conversion_counts(self) -> dict[str, int]:
+        """Samples whose caption had more ids than ``text_len`` and was cut, once per sample."""
+        return dict(self.converted)
 
     def _bad_tokens(self, codes: np.ndarray, ids: np.ndarray) -> str | None:
         """Why a sample's arrays cannot train this prior (one reason of ``data.skips.REASONS``), or None."""
@@ -359,6 +421,10 @@ class TokenDataModule(WebDataModule):
         else:  # the caption string only feeds evaluation (the contrastive score), so a bad one is not fatal
             text = bytes(sample.get("txt") or b"").decode("utf-8", errors="replace").strip()
         text_ids = torch.zeros(self.text_len, dtype=torch.long)
+        if ids.size > self.text_len and self.converted.add(CUT_CAPTION, key) and self.converted[CUT_CAPTION] == 1:
+            log.warning("%s: a caption of %d ids cut to text_len=%d (counted as data/converted/%s); expected token "
+                        "shards encoded with the prior's text_len: re-encode them (dalle-encode force=true) with the "
+                        "tokenizer the prior reads", key, ids.size, self.text_len, CUT_CAPTION.replace(" ", "_"))
         ids = torch.from_numpy(ids.astype(np.int64))[: self.text_len]
         text_ids[: ids.numel()] = ids
         image = torch.from_numpy(codes.astype(np.int64)).reshape(-1)

@@ -19,24 +19,33 @@ def is_remote(url: str) -> bool:
     return "://" in url or url.startswith("pipe:")
 
 
-def resolve_shards(spec: str | Sequence[str]) -> list[str]:
-    """Expand ``spec`` to a list of shard URLs; raise ``FileNotFoundError`` naming a missing local shard."""
-    parts = [spec] if isinstance(spec, str) else list(spec)
+EXPECTED = ("expected a directory of .tar shards, a shard, a list of them, or a brace pattern "
+            "(\"data.train_shards='/data/{00000..00099}.tar'\": Hydra needs the inner quotes)")
+
+
+def resolve_shards(spec: str | Sequence[str], key: str = "shards") -> list[str]:
+    """Expand ``spec`` to a list of shard URLs; raise a one-line ``FileNotFoundError`` naming ``key`` (the config
+    key that gave ``spec``) and the missing local path."""
+    if spec is None or (not isinstance(spec, str) and not isinstance(spec, Sequence)):
+        raise ValueError(f"{key}={spec!r}; {EXPECTED}")
+    parts = [spec] if isinstance(spec, str) else [str(p) for p in spec]
     if not parts:
-        raise ValueError("no shards given; expected a path, a brace pattern or a list of them")
+        raise ValueError(f"{key}={spec!r} names no shards; {EXPECTED}")
+    shown = spec if isinstance(spec, str) else parts
     urls: list[str] = []
     for part in parts:
         part = str(part)
         if not is_remote(part) and os.path.isdir(part):
             found = sorted(str(p) for p in Path(part).glob("*.tar"))
             if not found:
-                raise FileNotFoundError(f"shard directory {part!r} holds no .tar shards")
+                raise FileNotFoundError(f"{key}={shown!r}: the directory {part!r} holds no .tar shards; {EXPECTED}")
             urls.extend(found)
         else:
             urls.extend(expand_urls(part))
     for url in urls:
         if not is_remote(url) and not os.path.isfile(url):
-            raise FileNotFoundError(f"shard {url!r} does not exist (from {spec!r})")
+            what = "shard" if url.endswith(".tar") else "path"
+            raise FileNotFoundError(f"{key}={shown!r}: {what} {url!r} does not exist; {EXPECTED}")
     return urls
 
 

@@ -5,14 +5,21 @@ counted by reason. Loader workers are separate processes, so a plain counter in 
 counts live in a shared-memory tensor, one row per process (the main one, then each worker), which the main
 process sums. ``dalle_lightning_callbacks.skipped_samples`` then sums them over ranks and logs them as metrics.
 
-Shard-level failures are counted once per shard and pass: an empty file, a file that is not a tar, and a
-truncated tar (which Python's stream reader ends silently at a cut header, so the file's end is checked too).
+Each sample (or shard) is counted once per reason, the first time it is met: a second epoch, a validation pass
+that reads the same samples again, or the readability probe before training do not count it again. Which
+(reason, key) pairs were met lives in a shared-memory bitmap (a hash of the pair), so loader workers see each
+other's. Under ``rank_split=samples`` every rank has its own bitmap, and a bad sample met by two ranks in two
+epochs counts once on each.
+
+Shard-level failures are counted once per shard: an empty file, a file that is not a tar, and a truncated tar
+(which Python's stream reader ends silently at a cut header, so the file's end is checked too).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,6 +42,7 @@ REASONS = (
     "caption id out of range",
 )
 TAR_BLOCK = 512
+SEEN_BITS = 1 << 20  # (reason, key) pairs remembered per counter: 1 MiB shared, a false "seen" at 1e-3 per 1,000 pairs
 
 
 class SharedCounts(Mapping[str, int]):
@@ -45,12 +53,20 @@ class SharedCounts(Mapping[str, int]):
         self.names = names
         # One row per process; with more workers than rows, rows are shared and a simultaneous increment may be lost.
         self._counts = torch.zeros(workers + 1, len(names), dtype=torch.int64).share_memory_()
+        self._seen = torch.zeros(SEEN_BITS, dtype=torch.bool).share_memory_()
 
-    def add(self, name: str) -> None:
-        """Count one ``name`` in this process's (or loader worker's) row."""
+    def add(self, name: str, key: str | None = None) -> bool:
+        """Count one ``name`` in this process's (or loader worker's) row; with ``key`` (the sample), only the first
+        time that sample is met for that name. Returns whether it was counted."""
+        if key is not None:
+            slot = zlib.crc32(f"{name}|{key}".encode()) % SEEN_BITS
+            if bool(self._seen[slot]):
+                return False
+            self._seen[slot] = True
         info = torch.utils.data.get_worker_info()
         row = (info.id + 1 if info is not None else 0) % self._counts.shape[0]
         self._counts[row, self.names.index(name)] += 1
+        return True
 
     def __getitem__(self, name: str) -> int:
         if name not in self.names:
@@ -71,12 +87,15 @@ class SharedCounts(Mapping[str, int]):
 class SkipCounter(SharedCounts):
     """Skipped samples by reason (every reason of ``REASONS``, 0 when none), summed over loader workers."""
 
-    def __init__(self, workers: int = 0) -> None:
+    def __init__(self, workers: int = 0, quiet: bool = False) -> None:
         super().__init__(REASONS, workers)
+        self.quiet = quiet  # count without a log line (a probe of a few samples, which training meets again)
 
     def skip(self, reason: str, key: str, detail: str = "") -> None:
-        """Count one skipped sample (or shard) and log it with its key, so the bad data can be found."""
-        self.add(reason)
+        """Count one skipped sample (or shard) and log it with its key, so the bad data can be found: once per
+        sample, the first time it is met."""
+        if not self.add(reason, key) or self.quiet:
+            return
         log.warning("skipped %s: %s%s (%d skipped for this reason so far)", key, reason,
                     f" ({detail})" if detail else "", self[reason])
 

@@ -3,6 +3,10 @@
 The paper uses a lower-cased BPE vocabulary of 16,384 and at most 256 caption tokens, with 10% BPE dropout
 while training. Id 0 is reserved for padding because the prior replaces it, position by position, with its
 own learned padding tokens; id 1 is the unknown token.
+
+The caption length ``text_len`` is a fact of the tokenizer, fixed when it is trained: ``tokenizer.json`` records it
+as the format's own fixed-length padding (``padding.length``), so ``dalle-encode`` and the prior read it from the
+file (``${meta:tokenizer.json,text_len}``) instead of a second setting that can disagree.
 """
 
 from __future__ import annotations
@@ -26,18 +30,24 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]"]
 class CaptionTokenizer:
     """Encodes captions to fixed-length id tensors (``text_len``), padding with ``PAD_ID``.
 
-    Truncation is never silent: every truncated caption is counted and logged as a warning, because a
-    caption cut short trains the prior on a description that no longer matches its image.
+    Truncation is never silent: every truncated caption is counted (``truncated``, ``longest``) and the caller
+    reports the count once (``truncation_line``), because a caption cut short trains the prior on a description
+    that no longer matches its image. ``text_len=None`` takes the length the file records.
     """
 
-    def __init__(self, tokenizer: Tokenizer, text_len: int = 256) -> None:
-        if text_len <= 0:
+    def __init__(self, tokenizer: Tokenizer, text_len: int | None = None) -> None:
+        recorded = recorded_text_len(tokenizer)
+        tokenizer.no_padding()  # ids come unpadded; encode_batch pads to text_len itself
+        text_len = text_len if text_len is not None else recorded or 256
+        if not isinstance(text_len, int) or isinstance(text_len, bool) or text_len <= 0:
             raise ValueError(f"text_len={text_len} must be a positive number of caption tokens")
         if tokenizer.token_to_id("[PAD]") != PAD_ID:
             raise ValueError("tokenizer has no [PAD] token at id 0; expected one trained by CaptionTokenizer.train")
         self.tokenizer = tokenizer
         self.text_len = text_len
+        self.recorded_text_len = recorded
         self.truncated = 0
+        self.longest = 0  # tokens of the longest caption seen, cut or not
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 16_384, text_len: int = 256, min_frequency: int = 1) -> "CaptionTokenizer":
@@ -59,16 +69,20 @@ class CaptionTokenizer:
         return cls(tok, text_len)
 
     @classmethod
-    def load(cls, path: str | Path, text_len: int = 256) -> "CaptionTokenizer":
+    def load(cls, path: str | Path, text_len: int | None = None) -> "CaptionTokenizer":
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; train one with `dalle-train stage=tokenizer`")
         return cls(Tokenizer.from_file(str(path)), text_len)
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (``dalle_lightning_plugins.atomic_files``)."""
-        with atomic_path(path) as tmp:
-            self.tokenizer.save(str(tmp))
+        """Write ``tokenizer.json`` atomically (``dalle_lightning_plugins.atomic_files``), recording ``text_len``."""
+        self.tokenizer.enable_padding(length=self.text_len, pad_id=PAD_ID, pad_token=SPECIAL_TOKENS[PAD_ID])
+        try:
+            with atomic_path(path) as tmp:
+                self.tokenizer.save(str(tmp))
+        finally:
+            self.tokenizer.no_padding()
 
     @property
     def vocab_size(self) -> int:
@@ -79,13 +93,22 @@ class CaptionTokenizer:
         self.tokenizer.model.dropout = p if p else None
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text``, truncated to ``text_len`` (counted and warned)."""
+        """Ids of ``text``, truncated to ``text_len`` (counted; ``truncation_line`` reports the count)."""
         ids = self.tokenizer.encode(text).ids
+        self.longest = max(self.longest, len(ids))
         if len(ids) > self.text_len:
             self.truncated += 1
-            log.warning("caption of %d tokens truncated to text_len=%d: %r", len(ids), self.text_len, text[:80])
+            log.debug("caption of %d tokens truncated to text_len=%d: %r", len(ids), self.text_len, text[:80])
             ids = ids[: self.text_len]
         return ids
+
+    def truncation_line(self, what: str, total: int) -> str | None:
+        """One line for the captions of ``what`` cut to ``text_len`` (None when none was), with the fix."""
+        if not self.truncated:
+            return None
+        return (f"{what}: {self.truncated} of {total} captions were longer than text_len={self.text_len} tokens "
+                f"(longest {self.longest}) and were cut; to keep them whole, retrain the tokenizer with "
+                f"model.text_len={self.longest} (dalle-train stage=tokenizer model.text_len={self.longest} stage.force=true)")
 
     def encode_batch(self, texts: Sequence[str]) -> torch.Tensor:
         """LongTensor[len(texts), text_len] padded with ``PAD_ID``."""
@@ -99,3 +122,10 @@ class CaptionTokenizer:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return self.tokenizer.decode([i for i in ids if i != PAD_ID]).strip()
+
+
+def recorded_text_len(tokenizer: Tokenizer) -> int | None:
+    """The caption length a ``tokenizer.json`` records (its fixed padding length); None for older files."""
+    padding = tokenizer.padding
+    length = padding.get("length") if padding else None
+    return int(length) if length else None
