@@ -125,7 +125,7 @@ def resolve_splits(world: str | None, train: Any, val: Any, val_holdout: float, 
     last = urls[-1]
     if announce:
         log.info("%s=auto: no val/ folder in %s, so validation holds out the samples of %s whose key hashes into "
-                 "its first %g%% (%sval_holdout=%g), and training skips them; %s=null trains without validation",
+                 "its first %g%% (%sval_holdout=%g), and the training split leaves them out; %s=null: no validation",
                  val_key, world_key, os.path.basename(last), 100 * val_holdout, prefix, val_holdout, val_key)
     return (Split(train_key, train, urls, HoldOut(last, float(val_holdout), "train")),
             Split(val_key, val, [last], HoldOut(last, float(val_holdout), "val")))
