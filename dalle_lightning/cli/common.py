@@ -14,6 +14,7 @@ import functools
 import os
 from pathlib import Path
 import logging
+import re
 import sys
 import traceback
 import warnings
@@ -24,7 +25,7 @@ import hydra
 from hydra.errors import HydraException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from dalle_lightning.artifacts import register_resolvers
 from dalle_lightning.cli.run_lock import release_all, run_id
@@ -82,6 +83,8 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
                 raise
             if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
                 exc = exc.__cause__  # Hydra wraps the constructor's own error; show that one
+            if isinstance(exc, InterpolationResolutionError):  # a ValueError too: a value an artifact gives
+                fail(_hydra_error_line(exc))
             fail(str(exc) or type(exc).__name__)
         except RuntimeError as exc:  # torch.distributed.DistError is one
             if os.environ.get("DALLE_DEBUG") or not lost_peer(exc):
@@ -160,6 +163,16 @@ def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
 
 def _hydra_error_line(exc: BaseException) -> str:
     """One line from Hydra's multi-line composition errors: its first line, the cause's first line, the hint."""
+    resolved = re.match(r"(KeyError|ValueError|FileNotFoundError) raised while resolving interpolation: (.*)",
+                        str(exc).strip())
+    if isinstance(exc, InterpolationResolutionError) and resolved:
+        # A value read from an artifact (${meta:...}): the artifact's own one line, under the key that read it
+        # (OmegaConf keeps the cause only in the message).
+        text = resolved.group(2).splitlines()[0].strip()
+        if resolved.group(1) == "KeyError" and len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+            text = text[1:-1]
+        key = getattr(exc, "full_key", None)
+        return f"{key}: {text}" if key else text
     lines = [line.strip().rstrip(".") for line in str(exc).splitlines() if line.strip()]
     parts = lines[:1]
     options = getattr(exc, "options", None)
@@ -183,12 +196,19 @@ def check_options(argv: list[str]) -> None:
 
     parser.error = one_line  # type: ignore[method-assign]
     try:
-        _, unknown = parser.parse_known_args(argv)
+        parsed, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:
         fail(f"{exc.message}; run with --help for the options")
     options = [a for a in unknown if a.startswith("-")]
     if options:
         fail(f"unknown option(s) {options}; expected key=value overrides or one of --help, --cfg, --info, --multirun")
+    for arg in [*getattr(parsed, "overrides", []), *unknown]:
+        key, eq, value = arg.partition("=")
+        brace_range = re.search(r"\{[^{}]*\.\.[^{}]*\}", value)  # {00000..00099}, not a Hydra dict {a: 1}
+        if eq and brace_range and not value.startswith(("'", '"')) and "${" not in value:
+            # Hydra's grammar reads an unquoted brace as a dictionary ("mismatched input '{' expecting <EOF>")
+            fail(f"{key}={value}: a brace pattern needs Hydra's own quotes inside the shell's; expected "
+                 f"\"{key}='{value}'\"")
 
 
 def rank_zero_app(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
