@@ -109,7 +109,7 @@ def stage_record(cfg: DictConfig) -> dict[str, Any]:
     check_same("dVAE", marker.get("dvae"), dvae_given, "module.dvae", dvae, user)
     tokenizer = cfg.paths.tokenizer
     tokenizer_given = {"vocab_size": cfg.model.text_vocab_size}
-    if Path(tokenizer).is_file():
-        tokenizer_given = tokenizer_record(tokenizer, cfg.model.text_vocab_size)
+    if Path(tokenizer).is_file():  # the file's own vocabulary (cli.sizes compares model.text_vocab_size with it)
+        tokenizer_given = tokenizer_record(tokenizer, CaptionTokenizer.load(tokenizer).vocab_size)
     check_same("tokenizer", marker.get("tokenizer"), tokenizer_given, "paths.tokenizer", tokenizer, user)
     return {k: marker[k] for k in ("dvae", "tokenizer") if k in marker}

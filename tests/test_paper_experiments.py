@@ -21,8 +21,11 @@ from tests.conftest import CONF
 
 def _compose(stage: str, experiment: str, tmp_path: Path) -> OmegaConf:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        # The prior's sizes are the tokenizer's and the dVAE's (read from their files): the paper's, given here.
+        text = ["model.text_vocab_size=16384", "model.text_len=256", "model.image_vocab_size=8192",
+                "model.image_grid=32"] if stage == "prior" else []
         return compose("train", overrides=[f"stage={stage}", f"experiment={experiment}", f"paths.work_dir={tmp_path}",
-                                           "data.train_shards='/data/shards/{00000..00099}.tar'"])
+                                           "data.train_shards='/data/shards/{00000..00099}.tar'", *text])
 
 
 def _build(cfg) -> tuple[torch.nn.Module, object, object, list]:  # noqa: ANN001

@@ -167,6 +167,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
         claim(out / split, "tokens")
     for split in splits.values():  # an unreadable split fails now, not after the others are encoded
         reader = image_reader(cfg.image_size, 0, list(cfg.background))
+        reader.skipped.quiet = True  # the encoding pass logs each skipped sample; the probe only counts for its line
         probe(split, lambda urls: read_shards(urls, reader.skipped), lambda s: reader.decode(s, train=False),
               reader.skipped.summary, reader.unit)
     tokenizer = CaptionTokenizer.load(cfg.tokenizer, text_len=cfg.text_len)

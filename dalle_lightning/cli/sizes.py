@@ -59,6 +59,10 @@ def check_training(cfg: DictConfig) -> None:
         check_image_size("data.image_size", data.get("image_size"), "module.dvae", module.dvae)
     if stage == "prior":
         check_text_len("model.text_len", model.text_len, "paths.tokenizer", cfg.paths.tokenizer)
+        contradiction("model.text_vocab_size", model.text_vocab_size, "paths.tokenizer", cfg.paths.tokenizer,
+                      "vocab_size", _recorded(cfg.paths.tokenizer, "vocab_size"),
+                      "drop model.text_vocab_size (it defaults to the tokenizer's), or train the prior with the "
+                      "tokenizer of that vocabulary")
         if module.get("dvae"):
             grid = _recorded(module.dvae, "grid_size")
             contradiction("model.image_grid", model.image_grid, "module.dvae", module.dvae, "grid_size", grid,
