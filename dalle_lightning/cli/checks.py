@@ -198,9 +198,28 @@ def training(cfg: DictConfig) -> None:
     for key in ("lr", "weight_decay", "eps"):
         if value(cfg, f"module.optimizer.{key}") is not None:
             number(cfg, f"module.optimizer.{key}", low=0, low_open=key != "weight_decay")
+    saved_models(cfg)
     accelerator = value(cfg, "trainer.accelerator")
     if accelerator in ("gpu", "cuda"):
         import torch
 
         if not torch.cuda.is_available():
             _fail("trainer.accelerator", accelerator, "cpu or auto (this machine has no CUDA device)")
+
+
+def saved_models(cfg: DictConfig) -> None:
+    """Every saved model a callback loads (``*.from_saved`` nodes: the prior's FID features and contrastive scorer)
+    exists, before anything is built or trained: one line naming the callback's key and the fix."""
+    callbacks = value(cfg, "callbacks") or {}
+    for name, node in callbacks.items():
+        if not OmegaConf.is_dict(node):
+            continue
+        for field, sub in node.items():
+            if not (OmegaConf.is_dict(sub) and str(sub.get("_target_", "")).endswith(".from_saved")):
+                continue
+            path = sub.get("path")
+            if isinstance(path, str) and not Path(path).is_file():
+                stage = "clip" if "rerank" in str(sub._target_) else "the stage that writes it"
+                _fail(f"callbacks.{name}.{field}.path", path,
+                      f"an existing file: the trained CLIP (`dalle-train stage={stage}` writes paths.clip), or "
+                      f"train without this callback ('~callbacks.{name}')")
