@@ -166,3 +166,15 @@ def test_unquoted_braces_are_one_line_with_the_fix(tmp_path: Path, capsys: pytes
     line = _error(capsys, train.main, "stage=dvae", "data.train_shards=/data/{00000..00009}.tar")
     assert line == ("error: data.train_shards=/data/{00000..00009}.tar: a brace pattern needs Hydra's own quotes "
                     "inside the shell's; expected \"data.train_shards='/data/{00000..00009}.tar'\"")
+
+
+def test_a_missing_clip_for_the_prior_fid_is_one_line(resume_work: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """The prior's FID callback loads the CLIP: without one, the line names the callback's key and both fixes."""
+    from dalle_lightning.cli import train
+
+    line = _error(capsys, train.main, "stage=prior", f"paths.work_dir={resume_work}", f"paths.clip={tmp_path / 'c.pt'}",
+                  f"output={tmp_path / 'p.pt'}")
+    assert line == (f"error: callbacks.fid.feature_extractor.path='{tmp_path / 'c.pt'}'; expected an existing file: "
+                    "the trained CLIP (`dalle-train stage=clip` writes paths.clip), or train without this callback "
+                    "('~callbacks.fid')")

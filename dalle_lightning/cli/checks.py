@@ -198,7 +198,6 @@ def training(cfg: DictConfig) -> None:
     for key in ("lr", "weight_decay", "eps"):
         if value(cfg, f"module.optimizer.{key}") is not None:
             number(cfg, f"module.optimizer.{key}", low=0, low_open=key != "weight_decay")
-    saved_models(cfg)
     accelerator = value(cfg, "trainer.accelerator")
     if accelerator in ("gpu", "cuda"):
         import torch
