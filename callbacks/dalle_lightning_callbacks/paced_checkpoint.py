@@ -11,12 +11,24 @@ passed since the last checkpoint and how many updates from now the next decision
 measured time per update). A steady run makes a few decisions per interval, and a checkpoint by time lands within
 one update of its time. Every rank writes its own shards under the sharded strategies (no gather), as every save
 of ``ModelCheckpoint`` does there.
+
+A run stopped by SIGTERM or SIGINT (``save_on_stop``, one process) finishes the update under way, writes its
+checkpoint there, where every checkpoint is taken (the end of an update), and only then lets Lightning stop the fit
+(its ``SIGTERMException``), so that ``resume=`` continues it exactly. A second SIGINT stops at once, as Python
+does; a second SIGTERM lets Lightning stop at its next check. Lightning's own handlers (the SLURM requeue signal,
+its launcher's forwarding) are left as they are: a deferred SIGTERM is handed to Lightning's handler after the save.
+Several processes keep Lightning's immediate stop: a save there would be a collective the ranks reach at different
+updates.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 import time
+from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,13 +39,16 @@ from typing_extensions import override
 class PacedCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that also saves once ``every_n_minutes`` of training passed since its last save.
 
-    ``every_n_minutes``: None (or 0) paces by updates only, as ``ModelCheckpoint``. Every other argument is
-    ``ModelCheckpoint``'s (``train_time_interval`` excepted: this replaces it).
+    ``every_n_minutes``: None (or 0) paces by updates only, as ``ModelCheckpoint``. ``save_on_stop``: a SIGTERM or
+    SIGINT checkpoints after the update under way, then stops the fit (one process; ``stop_signal`` then names
+    the signal). Every other argument is ``ModelCheckpoint``'s (``train_time_interval`` excepted: this replaces
+    it).
     """
 
     MARGIN = 0.8  # a decision plans this share of the time left: about 4 decisions per interval at a steady rate
 
-    def __init__(self, *args: Any, every_n_minutes: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, every_n_minutes: float | None = None, save_on_stop: bool = True,
+                 **kwargs: Any) -> None:
         if kwargs.get("train_time_interval") is not None:
             raise ValueError("PacedCheckpoint(train_time_interval=...); expected every_n_minutes (it paces without a "
                              "collective per update, and combines with every_n_train_steps)")
@@ -44,6 +59,11 @@ class PacedCheckpoint(ModelCheckpoint):
         self._next_decision: int | None = None  # the update at which the ranks decide next
         self._decided_at: tuple[int, float] | None = None  # (update, time) of the last decision, rank 0's clock
         self._saved_at = time.monotonic()  # rank 0's clock: the last save, or the start of this fit
+        self.save_on_stop = bool(save_on_stop)
+        self.stop_signal: int | None = None  # SIGTERM or SIGINT received during this fit's training
+        self._stop_done = False  # the stop was handed to Lightning
+        self._step_at_batch_start = -1
+        self._handlers: dict[int, Any] = {}  # the handlers ours replaced (Lightning's SIGTERM handler among them)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -51,6 +71,14 @@ class PacedCheckpoint(ModelCheckpoint):
         self._saved_at = time.monotonic()  # a resumed run starts at its checkpoint: no work to lose yet
         self._next_decision = trainer.global_step + 1  # the first decision measures one update
         self._decided_at = (trainer.global_step, self._saved_at)
+        self.stop_signal, self._stop_done = None, False
+        if self.save_on_stop and trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
+            self._take_signals(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -59,8 +87,14 @@ class PacedCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._last_global_step_saved != before:  # saved by updates: the time interval starts again
             self._saved_at = time.monotonic()
-        if self.every_n_minutes is None or self._next_decision is None or trainer.global_step < self._next_decision:
-            return
+        if self.every_n_minutes is not None and self._next_decision is not None \
+                and trainer.global_step >= self._next_decision:
+            self._paced_save(trainer)
+        if self.stop_signal is not None and not self._stop_done and trainer.global_step != self._step_at_batch_start:
+            self._stop(trainer)  # after an update, not inside an accumulation window: what every checkpoint holds
+
+    def _paced_save(self, trainer: pl.Trainer) -> None:
+        """At a decision update: save when rank 0 says the interval has passed; plan the next decision."""
         save, gap = trainer.strategy.broadcast(self._decide(trainer.global_step))
         self._next_decision = trainer.global_step + gap
         if save and not self._should_skip_saving_checkpoint(trainer):
@@ -69,6 +103,68 @@ class PacedCheckpoint(ModelCheckpoint):
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
             self._saved_at = time.monotonic()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._give_back_signals()
+        if self.stop_signal is not None and not self._stop_done:
+            # the signal came after the last update's checkpoint hook: the fit is over, the stop still stands
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            self._stop_done = True
+            raise SIGTERMException
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self._give_back_signals()
+
+    def _take_signals(self, trainer: pl.Trainer) -> None:
+        """Defer SIGTERM (Lightning's handler, installed by now) and SIGINT (Python's KeyboardInterrupt) to the end
+        of the update under way. A SIGINT handler of the user's own is left alone."""
+        if trainer.received_sigterm:  # before training started: stop after the first update, with its checkpoint
+            self.stop_signal, self._stop_done = signal.SIGTERM, False
+        self._handlers = {signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._handlers[signal.SIGINT] = signal.default_int_handler
+        for signum in self._handlers:
+            signal.signal(signum, self._on_signal)
+
+    def _give_back_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, handler)
+        self._handlers = {}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            if signum == signal.SIGINT:  # someone at a terminal: say that it was heard (no buffered stream here)
+                os.write(2, b"\nSIGINT: stopping after this update with a checkpoint (again: at once, without one)\n")
+            return
+        # a second signal: what it would have done without this callback
+        handler = self._handlers.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """Checkpoint this update (unless one was just written) and let Lightning stop at its next check."""
+        self._stop_done = True
+        if not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            if self.save_last:
+                self._save_last_checkpoint(trainer, candidates)
+            elif self.monitor is None or self.monitor in candidates:
+                self._save_topk_checkpoint(trainer, candidates)
+        lightning_handler = self._handlers.get(signal.SIGTERM)
+        self._give_back_signals()
+        if callable(lightning_handler):
+            lightning_handler(signal.SIGTERM, None)  # trainer.received_sigterm: Lightning's own graceful stop
+        else:  # pragma: no cover - Lightning registers its handler before training starts
+            trainer._signal_connector.received_sigterm = True
 
     def _decide(self, step: int) -> tuple[bool, int]:
         """Rank 0's decision at update ``step``: save now, and the updates until the next decision (at least 1;

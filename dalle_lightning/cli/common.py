@@ -140,7 +140,16 @@ QUIET_WARNINGS = (
     # FSDP2's nag about a unit returning a view (nn.Linear on 3-D input does): only an in-place op on it would
     # lose the unit's hook, and the models' residual adds are out of place (tests/test_strategy_exact_models.py)
     r"FSDP2-wrapped module \(\w+\) returned a view tensor",
+    # the summary's size estimate under bf16-mixed (precision=auto on bf16 hardware), at every fit
+    r"Precision [\w-]+ is not supported by the model summary",
 )
+# Lightning's advertisements (litlogger, litmodels) at every fit, from its rank-zero loggers
+QUIET_LOG_LINES = ("💡 Tip:",)
+LIGHTNING_INFO_LOGS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(QUIET_LOG_LINES)
 
 
 def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
@@ -152,6 +161,8 @@ def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
         if not cfg.get("verbose", False):
             for message in QUIET_WARNINGS:
                 warnings.filterwarnings("ignore", message=message)
+            for name in LIGHTNING_INFO_LOGS:
+                logging.getLogger(name).addFilter(_not_a_tip)
             logging.getLogger().setLevel(logging.WARNING)
             logging.getLogger("dalle_lightning").setLevel(logging.INFO)
         if process_rank() != 0:

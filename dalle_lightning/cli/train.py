@@ -26,9 +26,10 @@ from omegaconf import DictConfig
 from dalle_lightning_callbacks.epoch_end_resume import EpochEndResume
 from dalle_lightning_callbacks.random_state import RandomState
 from dalle_lightning.artifacts import save_model
-from dalle_lightning.cli import checks
+from dalle_lightning.cli import checks, sizes
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
 from dalle_lightning.cli.resume import candidate_runs, launch_runs, restart_checkpoint, resume_checkpoint
+from dalle_lightning.cli.stopped import stop_reported
 from dalle_lightning_plugins.elastic import init_default_group, launch_ids
 from dalle_lightning.lineage import stage_record
 from dalle_lightning_plugins.atomic_files import write_json
@@ -39,28 +40,35 @@ TOP_LEVEL_KEYS = {"paths", "model", "data", "trainer", "strategy", "precision", 
                   "seed", "output", "module", "objective", "verbose", "resume", "float32_matmul_precision",
                   "shapes"}  # experiment/shapes.yaml: each stage's run length and batch size
 STAGES = ("tokenizer", "dvae", "clip", "prior")
+LENGTH_SAMPLE = 10_000  # training captions whose token lengths the tokenizer stage reports
 
 
 def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
-    """Train the BPE on the training captions (the txt members of the image shards); unreadable shards and
-    unusable captions are skipped and counted, and no usable caption at all is a one-line error."""
+    """Train the BPE on the training captions (the txt members of the image shards, less a held-out validation
+    slice); unreadable shards and unusable captions are skipped and counted, and no usable caption at all is a
+    one-line error. The captions longer than ``model.text_len`` tokens are counted and reported in one line."""
     from dalle_lightning.data.datamodule import caption_text
     from dalle_lightning.data.epoch_loader import no_data_message
-    from dalle_lightning.data.shards import resolve_shards
     from dalle_lightning.data.skips import SkipCounter, read_shards
     from dalle_lightning.data.tokenizer import CaptionTokenizer
 
-    urls = resolve_shards(cfg.data.train_shards)
+    split = instantiate(cfg.data).splits()[0]
+    urls = split.urls
     limit = cfg.stage.max_captions
     skipped = SkipCounter()
     used = 0
+    kept: list[str] = []  # the first captions, to measure their lengths once the BPE exists
 
     def captions():
         nonlocal used
         for sample in read_shards(urls, skipped):
+            if split.keep is not None and not split.keep(sample):
+                continue
             text = caption_text(sample, skipped, f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}")
             if text is None:
                 continue
+            if len(kept) < LENGTH_SAMPLE:
+                kept.append(text)
             yield text
             used += 1
             if limit is not None and used >= limit:
@@ -73,7 +81,13 @@ def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
     tok = CaptionTokenizer.train(itertools.chain([first], texts), vocab_size=cfg.model.vocab_size, text_len=cfg.model.text_len,
                                  min_frequency=cfg.model.min_frequency)
     tok.save(cfg.output)
-    log.info("tokenizer with %d tokens written to %s from %d captions", tok.vocab_size, cfg.output, used)
+    log.info("tokenizer with %d tokens and text_len=%d written to %s from %d captions", tok.vocab_size, tok.text_len,
+             cfg.output, used)
+    for text in kept:
+        tok.encode(text)
+    line = tok.truncation_line(f"training captions (the first {len(kept)})", len(kept))
+    if line:
+        log.warning("%s", line)
     counts = {f"data/skipped/{reason.replace(' ', '_')}": float(n) for reason, n in skipped.items() if n}
     for name, n in counts.items():
         log.info("%s=%d", name, n)
@@ -128,10 +142,13 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     if ckpt_path is not None and restarted == ckpt_path:
         log.info("resuming from %s", ckpt_path)
     ckpt_path = restarted
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if getattr(datamodule, "val_shards", None) and not cfg.trainer.fast_dev_run:
+    with stop_reported(cfg, trainer, ckpt_path, _sweep()):  # SIGTERM, SIGINT: one line naming the checkpoint
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    has_validation = getattr(datamodule, "has_validation", None)
+    if callable(has_validation) and has_validation() and not cfg.trainer.fast_dev_run:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+        with stop_reported(cfg, trainer, ckpt_path, _sweep()):
+            trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     figures = getattr(trainer.strategy, "exchange_figures", None)  # ShardedPowerSGDStrategy: bytes, exchange time
     if callable(figures):
@@ -220,6 +237,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a stage; expected one of {list(STAGES)}")
     checks.training(cfg)  # bad values and an unwritable output fail now, not after loading or training
+    sizes.check_training(cfg)  # sizes against each other and against the artifacts they come from
+    checks.saved_models(cfg)  # the models callbacks load (after the artifacts the model's sizes come from)
     ckpt_path = resume_checkpoint(cfg, _run_dir(), _sweep())  # a checkpoint that is not there fails now too
     out = Path(cfg.output)
     fresh = cfg.stage.force or ckpt_path is not None or cfg.get("trainer", {}).get("fast_dev_run", False)

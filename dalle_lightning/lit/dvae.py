@@ -4,6 +4,11 @@ The Gumbel temperature and KL weight are plain float attributes so that schedule
 (``dalle_lightning_callbacks.schedules``) can set them before every batch; the module just reads them. A model without the
 relaxation (``relaxed = False``: :class:`~dalle_lightning.models.dvae_fsq.FSQVAE`) has neither, so both attributes
 are None and the schedules leave them alone.
+
+The losses (``train/`` and ``val/``) are per pixel value, in nats: ``loss`` is the objective, ``recon_loss`` plus
+the regulariser (``kl``, weighted by the KL weight); ``recon_loss`` is the negative log-density of the
+logit-Laplace likelihood, a density over a continuous value, so it and ``loss`` go below zero as the dVAE learns.
+Reconstruction quality in plain terms: ``val/mse`` and ``val/psnr`` (of the argmax codes' decoding).
 """
 
 from __future__ import annotations
@@ -132,7 +137,15 @@ class DVAEModule(FusedOptimizerClipping):
         self.val_psnr.update(recon, target)
         self.val_perplexity.update(codes)
         n = images.shape[0]
+        # val/loss is the training objective on validation images (as every stage's val/loss), per pixel value in
+        # nats: recon_loss plus the model's regulariser (the Gumbel dVAE: kl_weight * kl, the relaxed negative ELB
+        # at the current temperature and KL weight; VQ: the commitment; FSQ: the latent penalty). recon_loss is a
+        # negative log *density* (logit-Laplace over pixels squeezed into (eps, 1 - eps), a continuous variable),
+        # and a density exceeds 1 where the decoder is sure: a well-trained dVAE's loss is negative.
         self.log("val/loss", out["loss"], prog_bar=True, batch_size=n, sync_dist=True)
+        self.log("val/recon_loss", out["recon_loss"], batch_size=n, sync_dist=True)
+        if "kl" in out:
+            self.log("val/kl", out["kl"], batch_size=n, sync_dist=True)
         self.log("val/mse", self.val_mse, batch_size=n)
         self.log("val/psnr", self.val_psnr, batch_size=n)
         self.log("val/perplexity", self.val_perplexity, batch_size=n)
