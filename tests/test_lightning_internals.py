@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -130,6 +130,8 @@ def _owner(name: str) -> object:
         "ProcessGroupGloo._Options": dist.ProcessGroupGloo._Options,  # type: ignore[attr-defined]
         "Module": torch.nn.Module,
         "ModelCheckpoint": ModelCheckpoint,
+        "TQDMProgressBar": TQDMProgressBar,
+        "RichProgressBar": RichProgressBar,
     }
     return makers[name]() if name in makers else importlib.import_module(name)
 
@@ -159,6 +161,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # dalle_lightning_callbacks.paced_checkpoint.PacedCheckpoint saves by time through its parent's own steps.
     "ModelCheckpoint": ("_last_global_step_saved", "_should_skip_saving_checkpoint", "_save_topk_checkpoint",
                         "_save_last_checkpoint", "_monitor_candidates"),
+    # dalle_lightning_callbacks.progress_bar: one bar over a step-bounded run's updates, through the bars' own steps.
+    "TQDMProgressBar": ("_should_update",),
+    "RichProgressBar": ("_add_task", "_update", "_update_metrics", "_initialize_train_progress_bar_id",
+                        "_get_train_description", "train_progress_bar_id"),
     # dalle_lightning.cli.common.lost_peer_exit names a failure inside Lightning's SIGTERM handler by its frame.
     "lightning.pytorch.trainer.connectors.signal_connector": ("_SignalConnector._sigterm_notifier_fn",),
 }
