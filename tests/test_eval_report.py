@@ -70,23 +70,23 @@ def test_fid_and_scores_per_n_are_what_they_claim(gen: Generator) -> None:
     for n in (1, 2, 4):
         best = result.best_of(n)
         want = frechet(ref_features, gen.reranker.embed_images(best).double().numpy())
-        assert report[str(n)]["fid_shapes_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+        assert report[str(n)]["fid_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
         cos = gen.reranker.score(best, captions)
-        assert report[str(n)]["contrastive_score"] == pytest.approx(float(cos.mean()), abs=1e-5)
+        assert report[str(n)]["contrastive_clip"] == pytest.approx(float(cos.mean()), abs=1e-5)
         assert 0.0 <= report[str(n)]["accuracy"] <= 1.0
-    scores = [report[str(n)]["contrastive_score"] for n in (1, 2, 4)]
+    scores = [report[str(n)]["contrastive_clip"] for n in (1, 2, 4)]
     assert scores == sorted(scores)  # the best of more candidates never scores lower
     # Renders against renders is the floor; an untrained generator is far above it.
     want = frechet(ref_features, gen.reranker.embed_images(baseline).double().numpy())
-    assert report["reference_fid_shapes_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
-    assert report["reference_fid_shapes_clip"] < report["1"]["fid_shapes_clip"]
+    assert report["reference_fid_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert report["reference_fid_clip"] < report["1"]["fid_clip"]
 
 
 def test_fid_can_be_turned_off(gen: Generator) -> None:
     report = evaluate(gen, n_seen=2, n_zeroshot=0, candidates=[1, 2], seed=1, fid=False, batch_size=8)
-    assert "zeroshot" not in report and "fid_shapes_clip" not in report["seen"]["2"]
-    assert "reference_fid_shapes_clip" not in report["seen"]
-    assert "contrastive_score" in report["seen"]["2"]
+    assert "zeroshot" not in report and "fid_clip" not in report["seen"]["2"]
+    assert "reference_fid_clip" not in report["seen"]
+    assert "contrastive_clip" in report["seen"]["2"]
 
 
 def test_dalle_eval_writes_json_and_png(work: Path, capsys: pytest.CaptureFixture) -> None:
@@ -96,12 +96,12 @@ def test_dalle_eval_writes_json_and_png(work: Path, capsys: pytest.CaptureFixtur
             f"hydra.run.dir={work}/runs/eval")
     report = json.loads((work / "eval.json").read_text())
     for split in ("seen", "zeroshot"):
-        assert set(report[split]) >= {"1", "2", "reference_fid_shapes_clip", "reference_renders"}
-        assert {"accuracy", "fid_shapes_clip", "contrastive_score"} <= set(report[split]["2"])
+        assert set(report[split]) >= {"1", "2", "reference_fid_clip", "reference_renders"}
+        assert {"accuracy", "fid_clip", "contrastive_clip"} <= set(report[split]["2"])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed["fid_shapes_clip"]["seen"]["2"] == pytest.approx(report["seen"]["2"]["fid_shapes_clip"], abs=1e-3)
-    with Image.open(work / "eval.png") as png:
-        assert png.format == "PNG" and png.size[0] == 3 * png.size[1] * 360 // 280  # three panels
+    assert printed["fid_clip"]["seen"]["2"] == pytest.approx(report["seen"]["2"]["fid_clip"], abs=1e-3)
+    with Image.open(work / "eval.png") as png:  # accuracy, then FID, KID and contrastive score in the clip space
+        assert png.format == "PNG" and png.size[0] == 4 * png.size[1] * 360 // 280
 
 
 def _has_colour(image: np.ndarray, xy: tuple[int, int], colour: tuple[int, int, int], radius: int = 2) -> bool:

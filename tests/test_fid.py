@@ -135,6 +135,34 @@ def test_callback_logs_each_epoch_from_fresh_states() -> None:
     assert cb.fid.real_features_num_samples == 0 and cb.fid.fake_features_num_samples == 0  # reset after compute
 
 
+def test_reference_is_the_fid_of_the_real_images_against_the_next_real_images() -> None:
+    # 24 validation images in batches of 6, num_images=12: batches 1-2 are generated for, batches 3-4 are the
+    # reference's second real set; the reference is logged beside the FID under its own name.
+    cb = FIDCallback(every_n_epochs=1, num_images=12, feature_extractor=features, feature_dim=12)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[cb])
+    trainer.fit(Generating())
+    real = val_images()
+    want = frechet(features(real[:12]).double().numpy(), features(real[12:24]).double().numpy())
+    assert cb.reference_name == "val/fid_custom_reference"
+    assert float(trainer.callback_metrics["val/fid_custom_reference"]) == pytest.approx(want, rel=1e-4)
+    assert float(trainer.callback_metrics["val/fid_custom"]) == pytest.approx(expected(12, 0), rel=1e-4)
+    without = FIDCallback(num_images=12, feature_extractor=features, feature_dim=12, reference=False)
+    assert without.reference is None
+
+
+def test_reference_without_a_second_set_compares_the_halves_of_the_first(caplog: pytest.LogCaptureFixture) -> None:
+    # Validation holds only the num_images evaluated: the reference is the FID of their two halves, with a warning.
+    cb = FIDCallback(num_images=N_VAL, feature_extractor=features, feature_dim=12)
+    cb.update(Generating(), {"image": val_images(), "text": [f"c{i}" for i in range(N_VAL)]})
+    with caplog.at_level("WARNING", logger="dalle_lightning_callbacks.fid"):
+        out = cb.compute()
+    real = features(val_images()).double().numpy()
+    assert out["val/fid_custom_reference"] == pytest.approx(frechet(real[:12], real[12:]), rel=1e-4)
+    assert "measured on 12 real images against 12" in caplog.text
+
+
 def test_every_n_steps_waits_for_the_first_validation_after_each_multiple() -> None:
     # Validation after every update; FID only at steps 3 and 6 (not 1, 2, 4, 5).
     cb = FIDCallback(every_n_steps=3, num_images=12, feature_extractor=features, feature_dim=12)
@@ -161,14 +189,14 @@ def test_contrastive_score_is_the_mean_cosine_of_the_scorer() -> None:
         metric.update(images[:3], captions[:2])
 
 
-def _two_rank_worker(rank: int, world_size: int) -> tuple[float, float]:
+def _two_rank_worker(rank: int, world_size: int) -> tuple[float, float, float]:
     cb = FIDCallback(num_images=N_VAL, feature_extractor=features, feature_dim=12,
                      clip_scorer=lambda images, captions: images.mean(dim=(1, 2, 3)))
     module = Generating()
     images = val_images()[rank::world_size]  # each rank sees its own half, as a distributed sampler gives it
     cb.update(module, {"image": images, "text": [f"c{i}" for i in range(len(images))]})
     out = cb.compute()
-    return out["val/fid_custom"], out["val/clip_score"]
+    return out["val/fid_custom"], out["val/clip_score"], out["val/fid_custom_reference"]
 
 
 @pytest.mark.slow
@@ -178,9 +206,12 @@ def test_two_ranks_compute_the_fid_of_all_images() -> None:
     real = val_images()
     ref_fid = expected(N_VAL, 0)
     ref_clip = float(generated(real, 0).mean(dim=(1, 2, 3)).mean())
-    for fid, clip in results:
+    # The reference gathers every rank's real images (rank 0's, then rank 1's) and, with no second set, compares halves.
+    ref_reference = frechet(features(real[0::2]).double().numpy(), features(real[1::2]).double().numpy())
+    for fid, clip, reference in results:
         assert fid == pytest.approx(ref_fid, rel=1e-4)
         assert clip == pytest.approx(ref_clip, rel=1e-5)
+        assert reference == pytest.approx(ref_reference, rel=1e-4)
 
 
 def test_clip_image_features_are_the_reranker_embeddings() -> None:
@@ -203,8 +234,8 @@ def test_clip_image_features_are_the_reranker_embeddings() -> None:
 def test_bad_inputs_are_clear_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.pth"):
         FIDCallback(inception_weights=str(tmp_path / "nope.pth"))
-    with pytest.raises(ValueError, match="features='shapes_clip' but no feature_extractor"):
-        FIDCallback(features="shapes_clip")
+    with pytest.raises(ValueError, match="features='clip' but no feature_extractor"):
+        FIDCallback(features="clip")
     with pytest.raises(ValueError, match="every_n_steps=0"):
         FIDCallback(every_n_steps=0, feature_extractor=features, feature_dim=12)
     cb = FIDCallback(num_images=4, feature_extractor=features, feature_dim=12)
@@ -217,7 +248,7 @@ def test_bad_inputs_are_clear_errors(tmp_path) -> None:
         cb.update(Bad(), {"image": torch.full((4, 3, SIZE, SIZE), 0.1), "text": ["a"] * 4})
 
 
-def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
+def test_callback_config_with_the_project_clip_instantiates(tmp_path) -> None:
     """The configuration the pipeline uses: features and contrastive score from a saved shapes-CLIP artifact."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -232,7 +263,7 @@ def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
     _target_: dalle_lightning_callbacks.fid.FIDCallback
     every_n_epochs: 1
     num_images: 8
-    features: shapes_clip
+    features: clip
     feature_extractor:
       _target_: dalle_lightning.generation.rerank.Reranker.from_model
       model: {{_target_: dalle_lightning.artifacts.load_model, path: {tmp_path / 'clip.pt'}}}
@@ -247,5 +278,5 @@ def test_callback_config_with_the_shapes_clip_instantiates(tmp_path) -> None:
     reference = Reranker.from_model(load_model(tmp_path / "clip.pt"))
     fake = generated(images, 0)
     want = frechet(reference.embed_images(images).double().numpy(), reference.embed_images(fake).double().numpy())
-    assert out["val/fid_shapes_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert out["val/fid_clip"] == pytest.approx(want, rel=1e-3, abs=1e-6)
     assert out["val/clip_score"] == pytest.approx(float(reference.score(fake, captions).mean()), abs=1e-5)

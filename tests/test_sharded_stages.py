@@ -93,7 +93,7 @@ def test_every_stage_trains_under_the_strategy_and_the_precision_plugin(tmp_path
           "callbacks.fid.num_images=8")
     plain_artifact(work / "prior.pt")
     metrics = (sorted((work / "runs" / "prior").iterdir())[-1] / "metrics.json").read_text()
-    assert "fid_shapes_clip" in metrics and "clip_score" in metrics
+    assert "fid_clip" in metrics and "clip_score" in metrics
 
     run_app(generate.main, f"paths.work_dir={work}", "num_candidates=2", "prompts=[a red square]")
     assert (work / "samples" / "grid.png").is_file()

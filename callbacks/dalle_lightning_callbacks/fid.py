@@ -17,7 +17,18 @@ are reset at every evaluation and synchronised across ranks by torchmetrics when
 is the FID of all ranks' images together.
 
 An FID is only comparable with FIDs in the same feature space, so the metric is named after it:
-``val/fid_<features>``. Feature spaces (no download ever happens):
+``val/fid_<features>``. Nor is an FID readable alone: its scale is the spread of the features, and a small or
+barely trained CLIP maps every image to nearly the same point (a randomly initialised shapes CLIP: mean cosine
+0.99998 between the embeddings of different renders), where any two image sets are 1e-5 apart, noise and renders
+alike. So beside it the callback logs ``val/fid_<features>_reference`` (``reference=True``): the FID between the
+real images of the evaluation and the next ``num_images`` real validation images, at the same size, in the same
+space: what a generator that drew real images would score. Read the FID against it, never against 0. The
+reference costs a second feature pass over the real images and none of generation. It wants 2 x ``num_images``
+validation images; with fewer it is measured on what there is, and with no second set at all (under 2 images
+beyond the first ``num_images``) between the two halves of the first set; a warning says which, since a smaller
+set's FID sits higher.
+
+Feature spaces (no download ever happens):
 
 - ``features="inception"``: the standard Inception-v3 of published FIDs (torchmetrics' ``NoTrainInceptionV3``,
   needs ``torch-fidelity``), read from ``inception_weights`` or from torch's hub cache (see
@@ -25,12 +36,16 @@ An FID is only comparable with FIDs in the same feature space, so the metric is 
 - ``feature_extractor``: a module or callable ``images [B, 3, H, W] in [0, 1] -> features [B, D]``, named by
   ``features`` (``"custom"`` when unnamed); an open_clip model (anything with ``encode_image``) is wrapped by
   :class:`ClipImageFeatures`, and an object with ``embed_images`` (``dalle_lightning.generation.rerank.Reranker``) is used
-  through that method. The project's default is the image tower of its shapes CLIP (``features="shapes_clip"``),
-  so the embedded configuration runs offline, and Inception, which has never seen the shapes world, is a choice.
+  through that method. The project's default is the image tower of its own CLIP (``features="clip"``: the one
+  ``dalle-train stage=clip`` trained on the pipeline's data, the shapes world or any other), so the configuration
+  runs offline, and Inception, which has never seen the shapes world, is a choice. (Before, the metric was
+  ``val/fid_shapes_clip`` whatever data the CLIP saw.)
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +53,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torchmetrics import Metric
 from torchmetrics.image.fid import FrechetInceptionDistance
 from typing_extensions import override
 
@@ -47,6 +63,8 @@ from dalle_lightning_callbacks.inception import INCEPTION, inception_weights as 
 from dalle_lightning_callbacks.sharding import full_parameters
 
 INCEPTION_DIM = 2048
+
+log = logging.getLogger(__name__)
 
 
 def check_images(images: Any, name: str) -> torch.Tensor:
@@ -160,11 +178,78 @@ def build_fid(feature_extractor: Any = None, feature_dim: int | None = None, inc
                                     **kwargs)
 
 
+class Precomputed(nn.Module):
+    """The identity on ``[B, D]`` features: lets torchmetrics' FID (and KID) take features instead of images."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        self.num_features = int(num_features)
+
+    @override
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if features.ndim != 2 or features.shape[1] != self.num_features:
+            raise ValueError(f"features of shape {tuple(features.shape)}; expected [B, {self.num_features}]")
+        return features
+
+
+def frechet_of_features(real: torch.Tensor, fake: torch.Tensor) -> float:
+    """torchmetrics' FID between two feature sets ``[n, D]``, ``[m, D]`` (n, m >= 2), on this process alone."""
+    if real.ndim != 2 or fake.ndim != 2 or real.shape[1] != fake.shape[1] or min(len(real), len(fake)) < 2:
+        raise ValueError(f"feature sets of shapes {tuple(real.shape)} and {tuple(fake.shape)}; expected [n >= 2, D] "
+                         "and [m >= 2, D]")
+    metric = FrechetInceptionDistance(feature=Precomputed(real.shape[1]), normalize=True, sync_on_compute=False)
+    metric.update(real.detach().double().cpu(), real=True)
+    metric.update(fake.detach().double().cpu(), real=False)
+    return float(metric.compute())
+
+
+def fid_features(metric: FrechetInceptionDistance, images: torch.Tensor) -> torch.Tensor:
+    """The features ``metric`` computes for ``images`` in its ``update`` (its network, its input convention)."""
+    x = (images * 255).byte() if metric.normalize and not metric.used_custom_model else images
+    features = metric.inception(x)
+    return (features.unsqueeze(0) if features.dim() == 1 else features).double()
+
+
+class RealReference(Metric):
+    """The reference FID: real images against other real images, in the features of ``fid`` (whose network is
+    shared, not copied: ``fid`` moves it). ``update(images, second=False)`` adds to the first set (the real images
+    FID compares the samples with), ``second=True`` to the second; ``compute`` gives ``(value, first, second)``: the
+    FID of the first set against the second and their sizes or, with under 2 images in the second, that of the
+    first set's two halves and theirs."""
+
+    full_state_update = False
+
+    def __init__(self, fid: FrechetInceptionDistance, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._features = functools.partial(fid_features, fid)  # not a child module: one copy of the network
+        self.add_state("first", [], dist_reduce_fx="cat")
+        self.add_state("second", [], dist_reduce_fx="cat")
+
+    def update(self, images: torch.Tensor, second: bool = False) -> None:
+        with torch.no_grad():
+            (self.second if second else self.first).append(self._features(images))
+
+    def compute(self) -> tuple[float, int, int]:
+        def stacked(state: Any) -> torch.Tensor:
+            if isinstance(state, list):
+                return torch.cat(state) if state else torch.zeros(0, 0, dtype=torch.float64)
+            return state
+
+        first, second = stacked(self.first), stacked(self.second)
+        if len(second) >= 2 and len(first) >= 2:
+            return frechet_of_features(first, second), len(first), len(second)
+        if len(first) >= 4:
+            half = len(first) // 2
+            return frechet_of_features(first[:half], first[half:]), half, len(first) - half
+        raise RuntimeError(f"{len(first)} real images; the reference needs at least 4")
+
+
 class FIDCallback(pl.Callback):
-    """Logs ``val/fid_<features>`` (and ``val/clip_score`` when ``clip_scorer`` is given) of generated vs real images.
+    """Logs ``val/fid_<features>`` (and ``val/clip_score`` when ``clip_scorer`` is given) of generated vs real images,
+    and with ``reference`` the real-vs-real ``val/fid_<features>_reference`` beside it.
 
     ``features`` names the feature space (see the module docstring): ``"inception"`` for the standard FID,
-    otherwise the name of ``feature_extractor``'s space (default ``"custom"``; the project's is ``"shapes_clip"``).
+    otherwise the name of ``feature_extractor``'s space (default ``"custom"``; the project's is ``"clip"``).
     ``every_n_steps``, when set, takes precedence over ``every_n_epochs``; ``num_images`` counts all ranks.
     ``clip_scorer`` is an object with ``score(images, captions)`` (e.g. the project's ``Reranker``) or a callable.
     """
@@ -183,6 +268,7 @@ class FIDCallback(pl.Callback):
         caption_key: str = "text",
         probe_size: int = 64,
         prefix: str = "val/",
+        reference: bool = True,
     ) -> None:
         for name, value in dict(every_n_steps=every_n_steps, every_n_epochs=every_n_epochs).items():
             if value is not None and value < 1:
@@ -204,19 +290,27 @@ class FIDCallback(pl.Callback):
             raise ValueError(f"features={self.features!r} but no feature_extractor; expected one for that feature "
                              f"space, or features={INCEPTION!r}")
         self.fid = build_fid(feature_extractor, feature_dim, inception_weights, probe_size)
+        # The same features, for real images against other real images (see the module docstring).
+        self.reference = RealReference(self.fid) if reference else None
         self.clip_score = ContrastiveScore(clip_scorer) if clip_scorer is not None else None
         self._next_step = every_n_steps or 0
         self._active = False
         self._held = 0
+        self._reference_held = 0  # real images of the reference's second set, this rank
         self.last: dict[str, float] = {}  # the most recent values, e.g. {"val/fid_inception": 12.3}
 
     @property
     def metric_name(self) -> str:
-        """The logged FID's name, e.g. ``val/fid_shapes_clip``: the value means nothing without its feature space."""
+        """The logged FID's name, e.g. ``val/fid_clip``: the value means nothing without its feature space."""
         return f"{self.prefix}fid_{self.features}"
 
+    @property
+    def reference_name(self) -> str:
+        """The reference's name, e.g. ``val/fid_clip_reference``: the FID of real images against real images."""
+        return f"{self.metric_name}_reference"
+
     def _metrics(self) -> list[Any]:
-        return [m for m in (self.fid, self.clip_score) if m is not None]
+        return [m for m in (self.fid, self.reference, self.clip_score) if m is not None]
 
     def _due(self, trainer: pl.Trainer) -> bool:
         if trainer.sanity_checking:
@@ -237,6 +331,7 @@ class FIDCallback(pl.Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._active = self._due(trainer)
         self._held = 0
+        self._reference_held = 0
         for metric in self._metrics():
             metric.to(pl_module.device).reset()
 
@@ -266,6 +361,8 @@ class FIDCallback(pl.Callback):
             raise ValueError(f"fid_generate() returned {fake.shape[0]} images for {real.shape[0]} real ones; expected one per caption")
         self.fid.update(real.to(pl_module.device), real=True)
         self.fid.update(fake.to(pl_module.device), real=False)
+        if self.reference is not None:
+            self.reference.update(real.to(pl_module.device))
         if self.clip_score is not None:
             self.clip_score.update(fake.to(pl_module.device), self._captions(pl_module, batch))
         return int(real.shape[0])
@@ -273,11 +370,22 @@ class FIDCallback(pl.Callback):
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        remaining = self._quota(trainer) - self._held
-        if not self._active or dataloader_idx != 0 or remaining <= 0:
+        if not self._active or dataloader_idx != 0:
             return
+        quota = self._quota(trainer)
         with torch.no_grad(), full_parameters(trainer):  # sampling reaches the model outside its forward
-            self._held += self.update(pl_module, take(batch, remaining))
+            if self._held < quota:
+                self._held += self.update(pl_module, take(batch, quota - self._held))
+            elif self.reference is not None and self._reference_held < quota:
+                self._reference_held += self.update_reference(pl_module, take(batch, quota - self._reference_held))
+
+    def update_reference(self, pl_module: pl.LightningModule, batch: Any) -> int:
+        """Add one batch's real images to the reference's second set (after the first ``num_images``)."""
+        if self.reference is None:
+            raise RuntimeError("update_reference() with reference=False; expected FIDCallback(reference=True)")
+        real = check_images(self._real(pl_module, batch), "real images")
+        self.reference.update(real.to(pl_module.device), second=True)
+        return int(real.shape[0])
 
     def compute(self) -> dict[str, float]:
         """Values of all ranks' images together (a collective call: every rank must make it), then reset."""
@@ -286,6 +394,16 @@ class FIDCallback(pl.Callback):
         except RuntimeError as exc:
             raise RuntimeError(f"FIDCallback could not compute FID (num_images={self.num_images}; are there "
                                f"validation batches?): {exc}") from exc
+        if self.reference is not None:
+            try:
+                out[self.reference_name], first, second = self.reference.compute()
+            except RuntimeError as exc:  # under 4 real images: nothing to compare
+                log.warning("%s not measured: %s", self.reference_name, exc)
+            else:
+                if second < first or first < self.num_images:
+                    log.warning("%s measured on %d real images against %d: validation holds under 2 x num_images="
+                                "%d images, so the reference sits higher than one at equal size would",
+                                self.reference_name, first, second, self.num_images)
         if self.clip_score is not None:
             out[f"{self.prefix}clip_score"] = float(self.clip_score.compute())
         for metric in self._metrics():

@@ -1,8 +1,9 @@
 """PNG line charts drawn with Pillow: the reranking curves of a ``dalle-eval`` report (the paper's Figure 9).
 
-matplotlib is not a dependency of the project, and three small panels (accuracy, FID, contrastive score
-against the number of reranked candidates N, one line per split) need no more than lines, markers, ticks,
-axis labels and a legend. The x axis is log2(N), as N doubles from point to point.
+matplotlib is not a dependency of the project, and a few small panels (accuracy on the shapes world; FID, KID and
+contrastive score in each feature space, each with its reference, against the number of reranked candidates N,
+one line per split) need no more than lines, markers, ticks, axis labels and a legend. The x axis is log2(N), as
+N doubles from point to point.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: 
     upper = sum(1 for px, py in points if px > (left + right) / 2 and py < (top + bottom) / 2)
     lower = sum(1 for px, py in points if px > (left + right) / 2 and py >= (top + bottom) / 2)
     legend_top = top + 8 if upper <= lower else bottom - 8 - 14 * len(panel.series)
+    text_w = max((draw.textlength(name, font=font) for name in panel.series), default=0)
+    legend_x = right - 6 - round(text_w) - 22  # the longest name ends inside the box
     for k, (name, pts) in enumerate(panel.series.items()):
         colour = COLOURS[(panel.colour_of or {}).get(name, k) % len(COLOURS)]
         pixels = [ax.to_pixel(x, y) for x, y in sorted(pts) if ax.ylim[0] <= y <= ax.ylim[1]]
@@ -118,8 +121,8 @@ def draw_panel(image: Image.Image, panel: Panel, origin: tuple[int, int], font: 
         for px, py in pixels if panel.markers else []:
             draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=colour)
         ly = legend_top + 14 * k
-        draw.line([(right - 110, ly), (right - 92, ly)], fill=colour, width=3)
-        draw.text((right - 88, ly), name, fill=black, font=font, anchor="lm")
+        draw.line([(legend_x, ly), (legend_x + 18, ly)], fill=colour, width=3)
+        draw.text((legend_x + 22, ly), name, fill=black, font=font, anchor="lm")
     return ax
 
 
@@ -134,29 +137,53 @@ def line_chart(panels: list[Panel], path: str | Path) -> list[Axes]:
     return axes
 
 
-SPLIT_LABELS = {"seen": "seen captions", "zeroshot": "zero-shot"}
-METRICS = [  # (report key, panel title, y label, fixed y range)
-    ("accuracy", "Caption accuracy", "accuracy", (0.0, 1.0)),
-    ("fid_shapes_clip", "FID (shapes-CLIP image features)", "FID (lower is better)", None),
-    ("contrastive_score", "Contrastive score", "mean cosine", None),
+SPLIT_LABELS = {"seen": "seen captions", "zeroshot": "zero-shot", "val": "val captions"}
+SCORES = [  # (report key prefix, panel title, y label): one panel per feature space, named after it
+    ("fid_", "FID ({} features)", "FID (lower is better)"),
+    ("kid_", "KID ({} features)", "KID (lower is better)"),
+    ("contrastive_", "Contrastive score ({})", "mean cosine"),
 ]
 
 
+def _per_n(report: dict[str, Any], split: str) -> dict[str, dict[str, Any]]:
+    return {n: v for n, v in report.get(split, {}).items() if n.isdigit()}
+
+
+def _points(per_n: dict[str, dict[str, Any]], key: str) -> list[Point]:
+    return [(float(n), float(v[key])) for n, v in per_n.items() if v.get(key) is not None]
+
+
+def metric_keys(report: dict[str, Any]) -> list[tuple[str, str, str, tuple[float, float] | None]]:
+    """(report key, title, y label, fixed y range) of every metric the report holds: accuracy, then FID, KID and
+    the contrastive score in each feature space."""
+    keys = {k for split in SPLIT_LABELS for v in _per_n(report, split).values() for k in v}
+    metrics: list[tuple[str, str, str, tuple[float, float] | None]] = []
+    if "accuracy" in keys:
+        metrics.append(("accuracy", "Caption accuracy", "accuracy", (0.0, 1.0)))
+    for prefix, title, ylabel in SCORES:
+        for key in sorted(k for k in keys if k.startswith(prefix)):
+            metrics.append((key, title.format(key[len(prefix):]), ylabel, None))
+    return metrics
+
+
 def report_panels(report: dict[str, Any]) -> list[Panel]:
-    """One panel per metric present in a ``dalle-eval`` report, one line per split."""
+    """One panel per metric present in a ``dalle-eval`` report, one line per split; beside a score, its reference
+    (``reference_<key>``: what real images score) as a flat line over N."""
     panels = []
-    for key, title, ylabel, ylim in METRICS:
+    for key, title, ylabel, ylim in metric_keys(report):
         series = {}
         for split, label in SPLIT_LABELS.items():
-            per_n = report.get(split, {})
-            lines = [(key, label)]
+            per_n = _per_n(report, split)
+            pts = _points(per_n, key)
+            if not pts:
+                continue
+            series[label] = pts
             if key == "accuracy":  # beside it, what a perfect reranker would reach (any of the N candidates matches)
-                lines.append(("any_of_n", f"{label}, any of N"))
-            for series_key, series_label in lines:
-                pts = [(float(n), float(v[series_key])) for n, v in per_n.items()
-                       if n.isdigit() and v.get(series_key) is not None]
-                if pts:
-                    series[series_label] = pts
+                if any_pts := _points(per_n, "any_of_n"):
+                    series[f"{label}, any of N"] = any_pts
+            reference = report[split].get(f"reference_{key}")
+            if reference is not None:
+                series[f"{label}, real images"] = [(x, float(reference)) for x, _ in pts]
         if series:
             panels.append(Panel(title, ylabel, series, ylim=ylim))
     return panels

@@ -117,11 +117,12 @@ class Generator:
         if check_rerank(rerank) == "both" and self.reranker is None:
             raise ValueError("rerank='both' needs the contrastive model; expected a clip file, or rerank=prior")
         p, n = len(prompts), num_candidates
-        cut_before = self.tokenizer.truncated
+        cut_before = getattr(self.tokenizer, "truncated", 0)  # a CaptionTokenizer counts the captions it cuts
         text = self.tokenizer.encode_batch(prompts).to(self.device)
-        if self.tokenizer.truncated > cut_before:  # said once per call: the prior sees the first text_len tokens only
+        cut = getattr(self.tokenizer, "truncated", 0) - cut_before
+        if cut:  # said once per call: the prior sees the first text_len tokens only
             log.warning("%d of %d prompts were longer than the prior's text_len=%d tokens and were cut (longest: %d)",
-                        self.tokenizer.truncated - cut_before, p, self.tokenizer.text_len, self.tokenizer.longest)
+                        cut, p, self.tokenizer.text_len, self.tokenizer.longest)
         text = text.repeat_interleave(n, dim=0)  # [P*N, T]: candidates of one prompt are adjacent
         prefix = image_prefix.to(self.device).repeat_interleave(n, dim=0) if image_prefix is not None else None
         gen = torch.Generator(device=self.device).manual_seed(seed)
