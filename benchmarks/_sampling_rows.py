@@ -23,7 +23,8 @@ from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.models.sparse_attention import decode_tables
 
 _DEMO = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
-DEMO = dict(text_vocab_size=128, text_len=_DEMO.text_len, image_vocab_size=512, image_grid=8, n_layer=_DEMO.n_layer,
+_TEXT_LEN = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/tokenizer_shapes.yaml").text_len  # the prior reads it
+DEMO = dict(text_vocab_size=128, text_len=_TEXT_LEN, image_vocab_size=512, image_grid=8, n_layer=_DEMO.n_layer,
             n_head=_DEMO.n_head, d_head=_DEMO.d_head, conv_kernel=_DEMO.conv_kernel)
 PAPER_353M = dict(text_vocab_size=16384, text_len=256, image_vocab_size=8192, image_grid=32, d_head=64, conv_kernel=11,
                   n_layer=24, n_head=16)

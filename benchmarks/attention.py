@@ -49,7 +49,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     demo = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
-    shapes = {"paper": (257, 32, 64, args.batch), "demo": (demo.text_len + 1, 8, demo.d_head, 16 * args.batch)}
+    text_len = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/tokenizer_shapes.yaml").text_len
+    shapes = {"paper": (257, 32, 64, args.batch), "demo": (text_len + 1, 8, demo.d_head, 16 * args.batch)}
     results = []
     for shape, (n_text, grid, d_head, batch) in shapes.items():
         for kind in ("row", "column", "conv"):

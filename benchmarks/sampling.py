@@ -22,7 +22,8 @@ from dalle_lightning.generation.sampling import sample_image_tokens
 
 PRIOR = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
 # Vocabularies and grid come from the trained tokenizer and dVAE in the config; fixed here to the demo's values.
-DEMO = dict(text_vocab_size=128, text_len=PRIOR.text_len, image_vocab_size=512, image_grid=8, n_layer=PRIOR.n_layer,
+TEXT_LEN = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/tokenizer_shapes.yaml").text_len  # the prior's
+DEMO = dict(text_vocab_size=128, text_len=TEXT_LEN, image_vocab_size=512, image_grid=8, n_layer=PRIOR.n_layer,
             n_head=PRIOR.n_head, d_head=PRIOR.d_head, conv_kernel=PRIOR.conv_kernel)
 
 

@@ -127,3 +127,27 @@ def test_torchrun_workers_keep_lightnings_stop(monkeypatch: pytest.MonkeyPatch) 
         with stop_reported(OmegaConf.create({}), _Trainer()):
             sys.exit(3)
     assert exit_info.value.code == 3
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_other_commands_stop_with_one_line_and_the_signal_code(resume_work: Path, tiny_world: Path, tmp_path: Path,
+                                                               signum: int, code: int) -> None:
+    """dalle-encode (and every command but training, which the tests above cover) stopped by a signal while it
+    encodes: one line, 128 + the signal, and no token split left behind, whole or partial."""
+    out = tmp_path / "tokens"
+    proc = subprocess.Popen([sys.executable, "-m", "dalle_lightning.cli.encode", f"paths.work_dir={resume_work}",
+                             f"paths.world={tiny_world / 'world'}", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'run'}",
+                             "batch_size=1", "num_workers=0"],
+                            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out.is_dir() and any(p.name.startswith(".") for p in out.iterdir())):  # its temporary split folder
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    name = signal.Signals(signum).name
+    assert proc.returncode == code and errors == [
+        f"error: dalle-encode stopped by {name}; every file it writes appears whole or not at all (written under a "
+        "temporary name): run the command again to finish"], err[-2000:]
+    assert not list(out.rglob("*.tar"))  # nothing half-encoded passes for a split

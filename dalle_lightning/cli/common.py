@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 import logging
 import re
+import signal
 import sys
 import traceback
 import warnings
@@ -257,13 +258,22 @@ def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[
             debug = bool(os.environ.get("DALLE_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"))
             before = os.environ.get("HYDRA_FULL_ERROR")
             os.environ["HYDRA_FULL_ERROR"] = "1"
+            # Training hands SIGTERM to Lightning (cli/stopped.py); the other commands stop with one line here.
+            previous = _stop_on_sigterm() if not every_rank else None
             try:
                 return hydra_main()
             except (HydraException, OmegaConfBaseException) as exc:
                 if debug:
                     raise
                 fail(_hydra_error_line(exc))
+            except (Stopped, KeyboardInterrupt) as exc:  # outside a fit (cli/stopped.py reports those)
+                if debug:
+                    raise
+                signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+                stopped_exit(config_name, signum)
             finally:
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
                 release_all()  # a run that failed holds its locks no longer (the process may go on: tests)
                 if before is None:
                     os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -273,6 +283,41 @@ def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[
         return main
 
     return decorate
+
+
+APP_COMMANDS = {"world": "dalle-data", "train": "dalle-train", "encode": "dalle-encode", "generate": "dalle-generate",
+                "eval": "dalle-eval"}  # config name -> the command a user typed
+
+
+class Stopped(BaseException):
+    """SIGTERM, raised where the command is (a ``BaseException``: no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def _stop_on_sigterm() -> Any:
+    """Turn SIGTERM into ``Stopped`` in this (main) thread; the handler it replaced, or None where none was set."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_stopped)
+
+
+def stopped_exit(app: str, signum: int) -> None:
+    """One line and exit code 128 + ``signum`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a process a
+    signal ended. Every file the commands write is written whole (``atomic_files``), so nothing half-written stays."""
+    if process_rank() == 0:
+        command = APP_COMMANDS.get(app, app)
+        print(f"error: {command} stopped by {signal.Signals(signum).name}; every file it writes appears whole or not at "
+              "all (written under a temporary name): run the command again to finish", file=sys.stderr, flush=True)
+    sys.exit(128 + int(signum))
 
 
 def instantiate_dict(nodes: DictConfig | None) -> list[Any]:
