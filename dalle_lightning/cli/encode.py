@@ -76,7 +76,7 @@ def encode_split(dvae: torch.nn.Module, tokenizer: CaptionTokenizer, shards: str
     try:
         n = _write_tokens(dvae, tokenizer, loader, tmp, shard_size, bf16, record, torch.device(device))
         report_counts(out_dir.name, reader)
-        line = tokenizer.truncation_line(f"{out_dir.name}: captions", n)
+        line = tokenizer.truncation_line(out_dir.name, n)
         if line:
             log.warning("%s", line)
         if n == 0:  # an empty split must not replace one, nor pass as encoded

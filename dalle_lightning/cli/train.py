@@ -85,7 +85,8 @@ def train_tokenizer(cfg: DictConfig) -> dict[str, Any]:
              cfg.output, used)
     for text in kept:
         tok.encode(text)
-    line = tok.truncation_line(f"training captions (the first {len(kept)})", len(kept))
+    line = tok.truncation_line(f"training captions (the first {len(kept)})", len(kept),
+                               cut="will be cut by dalle-encode")
     if line:
         log.warning("%s", line)
     counts = {f"data/skipped/{reason.replace(' ', '_')}": float(n) for reason, n in skipped.items() if n}

@@ -102,12 +102,12 @@ class CaptionTokenizer:
             ids = ids[: self.text_len]
         return ids
 
-    def truncation_line(self, what: str, total: int) -> str | None:
+    def truncation_line(self, what: str, total: int, cut: str = "were cut") -> str | None:
         """One line for the captions of ``what`` cut to ``text_len`` (None when none was), with the fix."""
         if not self.truncated:
             return None
         return (f"{what}: {self.truncated} of {total} captions were longer than text_len={self.text_len} tokens "
-                f"(longest {self.longest}) and were cut; to keep them whole, retrain the tokenizer with "
+                f"(longest {self.longest}) and {cut}; to keep them whole, retrain the tokenizer with "
                 f"model.text_len={self.longest} (dalle-train stage=tokenizer model.text_len={self.longest} stage.force=true)")
 
     def encode_batch(self, texts: Sequence[str]) -> torch.Tensor:
