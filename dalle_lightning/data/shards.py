@@ -19,18 +19,21 @@ def is_remote(url: str) -> bool:
     return "://" in url or url.startswith("pipe:")
 
 
-EXPECTED = ("expected a directory of .tar shards, a shard, a list of them, or a brace pattern "
-            "(\"data.train_shards='/data/{00000..00099}.tar'\": Hydra needs the inner quotes)")
+def expected(key: str) -> str:
+    """What a shard specification may be, with the brace form written for ``key``."""
+    name = key if "." in key else "data.train_shards"
+    return ("expected a directory of .tar shards, a shard, a list of them, or a brace pattern "
+            f"(\"{name}='/data/{{00000..00099}}.tar'\": Hydra needs the inner quotes)")
 
 
 def resolve_shards(spec: str | Sequence[str], key: str = "shards") -> list[str]:
     """Expand ``spec`` to a list of shard URLs; raise a one-line ``FileNotFoundError`` naming ``key`` (the config
     key that gave ``spec``) and the missing local path."""
     if spec is None or (not isinstance(spec, str) and not isinstance(spec, Sequence)):
-        raise ValueError(f"{key}={spec!r}; {EXPECTED}")
+        raise ValueError(f"{key}={spec!r}; {expected(key)}")
     parts = [spec] if isinstance(spec, str) else [str(p) for p in spec]
     if not parts:
-        raise ValueError(f"{key}={spec!r} names no shards; {EXPECTED}")
+        raise ValueError(f"{key}={spec!r} names no shards; {expected(key)}")
     shown = spec if isinstance(spec, str) else parts
     urls: list[str] = []
     for part in parts:
@@ -38,14 +41,14 @@ def resolve_shards(spec: str | Sequence[str], key: str = "shards") -> list[str]:
         if not is_remote(part) and os.path.isdir(part):
             found = sorted(str(p) for p in Path(part).glob("*.tar"))
             if not found:
-                raise FileNotFoundError(f"{key}={shown!r}: the directory {part!r} holds no .tar shards; {EXPECTED}")
+                raise FileNotFoundError(f"{key}={shown!r}: the directory {part!r} holds no .tar shards; {expected(key)}")
             urls.extend(found)
         else:
             urls.extend(expand_urls(part))
     for url in urls:
         if not is_remote(url) and not os.path.isfile(url):
             what = "shard" if url.endswith(".tar") else "path"
-            raise FileNotFoundError(f"{key}={shown!r}: {what} {url!r} does not exist; {EXPECTED}")
+            raise FileNotFoundError(f"{key}={shown!r}: {what} {url!r} does not exist; {expected(key)}")
     return urls
 
 

@@ -96,6 +96,14 @@ def train_urls(key: str, spec: Any, world: str | None, world_key: str) -> list[s
     return found
 
 
+def _val_shards(spec: Any, key: str) -> list[str]:
+    """``resolve_shards`` for a validation split, whose one-line error also names the way to go without one."""
+    try:
+        return resolve_shards(spec, key=key)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}; or {key}=null for no validation") from None
+
+
 def resolve_splits(world: str | None, train: Any, val: Any, val_holdout: float, prefix: str = "data.",
                    world_key: str = "paths.world", announce: bool = True,
                    keys: tuple[str, str] | None = None) -> tuple[Split, Split | None]:
@@ -110,10 +118,10 @@ def resolve_splits(world: str | None, train: Any, val: Any, val_holdout: float, 
     if val is None:
         return training, None
     if val != AUTO:
-        return training, Split(val_key, val, resolve_shards(val, key=val_key))
+        return training, Split(val_key, val, _val_shards(val, val_key))
     folder = Path(str(world)) / "val" if world is not None else None
     if folder is not None and folder.is_dir():
-        return training, Split(val_key, val, resolve_shards(str(folder), key=val_key))
+        return training, Split(val_key, val, _val_shards(str(folder), val_key))
     if not isinstance(val_holdout, (int, float)) or isinstance(val_holdout, bool) or not 0 <= val_holdout < 1:
         raise ValueError(f"{prefix}val_holdout={val_holdout!r}; expected a share in [0, 1) of the last training shard's "
                          "samples to hold out for validation")
