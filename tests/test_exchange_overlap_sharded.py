@@ -50,7 +50,7 @@ def _fit(rank: int, overlap: bool, powersgd_rank: int, events: BackwardEvents | 
     torch.manual_seed(0)
     module = TinyModule(TinyResNet(), functools.partial(torch.optim.SGD, lr=LR))
     strategy = ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=powersgd_rank, min_compression=0.0,
-                                       overlap=overlap, bucket_cap_mb=0.0)
+                                       overlap=overlap, bucket_cap_mb=0.0, full_weights_after=False)
     trainer(strategy, devices=WORLD, max_steps=STEPS, callbacks=[events] if events else []).fit(
         module, loader(token_dataset(), rank, world_size=WORLD))
     local = {n: p.to_local().numel() for n, p in module.named_parameters()}

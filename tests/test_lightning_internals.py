@@ -156,8 +156,16 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients; the gather hook reads which
     # parameter object a module holds (FSDP2 swaps sharded and gathered ones).
     "torch.distributed.fsdp": ("FSDPModule._get_fsdp_state",),
-    "torch.distributed.fsdp._fully_shard._fsdp_state": ("FSDPState._register_pre_backward_hook",),
+    "torch.distributed.fsdp._fully_shard._fsdp_state": ("FSDPState._register_pre_backward_hook",
+                                                         "FSDPState._pre_forward", "FSDPState._post_forward"),
     "Module": ("_parameters",),
+    # fsdp_wiring.to_plain / from_plain (full_weights_after): whole plain parameters after a stage, the units'
+    # forward hooks off, then sharded again (instance attributes they also use, exercised by
+    # tests/test_strategy_like_ddp.py: FSDPState._fsdp_param_groups, _modules, _pre/_post_forward_hook_handle,
+    # FSDPParam._module_info, mesh_info, sharded_param, DTensor._local_tensor).
+    "torch.distributed.fsdp._fully_shard._fsdp_param": ("FSDPParam._setattr_on_modules",),
+    # ShardedPowerSGDStrategy's own precision check replaces ModelParallelStrategy's (which refuses "16-mixed").
+    "lightning.pytorch.trainer.connectors.accelerator_connector": ("_AcceleratorConnector._validate_precision_choice",),
     # dalle_lightning_callbacks.paced_checkpoint.PacedCheckpoint saves by time through its parent's own steps.
     "ModelCheckpoint": ("_last_global_step_saved", "_should_skip_saving_checkpoint", "_save_topk_checkpoint",
                         "_save_last_checkpoint", "_monitor_candidates"),

@@ -36,7 +36,8 @@ class ResNetClassifier(L.LightningModule):
 
 def _replicas_equal(module: L.LightningModule, strategy: ShardedPowerSGDStrategy) -> bool:
     """All-gather a checksum of this rank's shards over the replicate group and compare."""
-    local = torch.stack([p.to_local().double().sum() for p in module.parameters()])
+    # after fit the parameters are whole again (full_weights_after="auto"): all ranks then hold one model
+    local = torch.stack([(p.to_local() if hasattr(p, "to_local") else p).double().sum() for p in module.parameters()])
     group = strategy.device_mesh["replicate"].get_group()
     gathered = [torch.empty_like(local) for _ in range(strategy.device_mesh["replicate"].size())]
     torch.distributed.all_gather(gathered, local, group=group)

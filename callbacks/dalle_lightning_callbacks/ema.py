@@ -127,7 +127,11 @@ class EMA(EMAWeightAveraging):
             return
         with torch.no_grad():
             for a, p in zip(self._average or [], self._params(trainer, pl_module)):
-                local(p).copy_(local(a))
+                if hasattr(a, "full_tensor") and not hasattr(p, "full_tensor"):
+                    # on_fit_end: the strategy left the module whole after the stage (full_weights_after); collective
+                    p.copy_(a.full_tensor())
+                else:
+                    local(p).copy_(local(a))
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -196,6 +196,75 @@ def full_parameters(root: nn.Module, reshard_after_forward: bool) -> Generator[N
             unit.set_reshard_after_forward(reshard_after_forward and unit is not root, recurse=False)
 
 
+def full_bytes(root: nn.Module) -> int:
+    """Bytes of every parameter of ``root``'s FSDP units, whole (what :func:`to_plain` puts on each rank)."""
+    units = [u for u in root.modules() if isinstance(u, FSDPModule)]
+    return sum(fp.sharded_param.numel() * fp.sharded_param.element_size() for u in units for fp in _fsdp_params(u))
+
+
+def _fsdp_params(unit: nn.Module) -> list[Any]:
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+
+# Attribute of a ShardedRoot made plain by :func:`to_plain`: [(unit, its FSDP class, its FSDP state, its FSDPParams)].
+PLAIN_UNITS_ATTR = "_plain_units"
+
+
+@torch.no_grad()
+def to_plain(root: nn.Module) -> None:
+    """Collective over the shard axis: every FSDP unit's parameters whole and plain (``torch.Tensor``), as ``ddp``
+    leaves a module after ``fit``; :func:`from_plain` shards them again (taking what they hold then).
+
+    Each sharded parameter is gathered (``DTensor.full_tensor()``) into a new plain ``nn.Parameter`` registered in
+    its place; the units' forward hooks are removed and their class set back to the module's own, so a forward,
+    ``.cpu()``/``.to()`` or ``load_state_dict`` on the plain module is a single-process one, as under ``ddp``. The
+    shards stay referenced (not registered), for :func:`from_plain`. Memory: the whole model on every rank.
+    """
+    if getattr(root, PLAIN_UNITS_ATTR, None):
+        return
+    reshard_all(root)
+    plain = []
+    for unit in [u for u in root.modules() if isinstance(u, FSDPModule)]:
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        params = _fsdp_params(unit)
+        for fp in params:
+            sharded = fp.sharded_param
+            fp._setattr_on_modules(nn.Parameter(sharded.full_tensor(), requires_grad=sharded.requires_grad))
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+        plain.append((unit, type(unit), state, params))
+    for unit, cls, _, _ in plain:
+        unit.__class__ = cls.__bases__[1]  # fully_shard's FSDP<Cls>(FSDPModule, Cls) -> Cls
+    object.__setattr__(root, PLAIN_UNITS_ATTR, plain)
+
+
+@torch.no_grad()
+def from_plain(root: nn.Module) -> None:
+    """Undo :func:`to_plain` (no collective): each rank copies its shard of every plain parameter's current value
+    into the unit's sharded parameter and registers that again, so what a user did to the plain module between
+    two stages (an update, ``load_state_dict``) carries into the next ``fit``. A no-op when ``root`` is sharded."""
+    plain = getattr(root, PLAIN_UNITS_ATTR, None)
+    if not plain:
+        return
+    for unit, cls, state, params in plain:
+        unit.__class__ = cls
+        for fp in params:
+            info = fp._module_info
+            current = getattr(info.module, info.param_name)
+            local = fp.sharded_param._local_tensor
+            size, rank = fp.mesh_info.shard_mesh_size, fp.mesh_info.shard_mesh_rank
+            chunks = torch.chunk(current.detach(), size, dim=0)
+            if local.numel() and rank < len(chunks):
+                local.copy_(chunks[rank].to(local.device, local.dtype))
+            fp._setattr_on_modules(fp.sharded_param)
+        module = state._modules[0]
+        state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True,
+                                                                          with_kwargs=True)
+        state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
+    object.__setattr__(root, PLAIN_UNITS_ATTR, None)
+
+
 @torch.no_grad()
 def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Every rank of ``group`` (None: every rank) takes the group's first rank's buffers (as

@@ -17,6 +17,8 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
 * checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
   sharded DCP directories (``"sharded"``), holding the model, the optimizer and each rank's PowerSGD state and
   buffers, so a resumed run continues exactly (:mod:`dalle_lightning_plugins.strategy_checkpoints`);
+* after ``fit``, ``validate``, ``test`` and ``predict`` the module holds whole plain tensors, as ``ddp`` leaves it
+  (``full_weights_after``; :func:`~dalle_lightning_plugins.fsdp_wiring.to_plain`), sharded again by the next stage;
 * a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
   ``docs/plugins.md``), or the strategy says in one line what it cannot do.
 
@@ -43,7 +45,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -52,6 +55,7 @@ from typing_extensions import override
 
 from dalle_lightning_plugins import fsdp_wiring
 from dalle_lightning_plugins.collective_failures import OneLineCollectiveFailures
+from dalle_lightning_plugins.dtensor_collectives import DTensorCollectives
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
 from dalle_lightning_plugins.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot
@@ -66,9 +70,12 @@ if TYPE_CHECKING:
 
 STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
+# full_weights_after="auto": whole weights after a stage when the whole model takes at most this share of the
+# memory free to each rank (the device's; on CPU, the host's available memory divided among its processes).
+FULL_WEIGHTS_MEMORY_SHARE = 0.5
 
 
-class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, ModelParallelStrategy):
+class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, DTensorCollectives, ModelParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
 
     Args:
@@ -99,6 +106,11 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, M
         checkpoint_format: ``"full"`` writes one file as ``ddp`` does (the model gathered on rank 0; for models that
             fit one process's memory), which ``load_from_checkpoint`` reads; ``"sharded"`` writes a DCP directory,
             every rank its own shards (for models that do not). Either form, or a ``ddp`` file, resumes a run.
+        full_weights_after: after ``fit``, ``validate``, ``test`` and ``predict`` the module's parameters are plain
+            tensors holding the whole values, as under ``ddp`` (``True``), or stay this rank's DTensor shards
+            (``False``, for models that do not fit one rank's memory); ``"auto"``: whole when the whole model takes
+            at most ``FULL_WEIGHTS_MEMORY_SHARE`` of the memory free to each rank, said in one log line. The next
+            stage or ``fit`` shards them again from what they then hold.
     """
 
     strategy_name = STRATEGY_NAME
@@ -136,6 +148,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, M
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = timedelta(minutes=30),
         checkpoint_format: str = "full",
+        full_weights_after: bool | str = "auto",
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -147,6 +160,10 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, M
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
         self.checkpoint_format = checkpoint_format
+        if not (full_weights_after is True or full_weights_after is False or full_weights_after == "auto"):
+            raise ValueError(f"full_weights_after={full_weights_after!r}, expected 'auto', True or False")
+        self.full_weights_after = full_weights_after
+        self._full_weights_decision: bool | None = None  # "auto"'s decision, made once
         self.devices_per_node = devices_per_node
         self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
@@ -233,6 +250,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, M
                     f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
                     f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
                 )
+            fsdp_wiring.from_plain(root)  # whole since the last stage's end (full_weights_after): shard again
             fsdp_wiring.reshard_all(root)
             self._find_blocks(module)
             self.model = self._root = root
@@ -468,7 +486,52 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, M
     @override
     def teardown(self) -> None:
         self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
+        self._leave_weights_whole()
         super().teardown()
+
+    def _leave_weights_whole(self) -> None:
+        """Collective at the end of a stage that ran to its end (never after an error: a peer may be gone): the
+        module's parameters plain and whole, as ``ddp`` leaves them (``full_weights_after``)."""
+        module, root = self.lightning_module, self._root
+        trainer = getattr(module, "_trainer", None)
+        if root is None or not isinstance(root, FSDPModule) or trainer is None:
+            return  # devices_per_node=1: the module is whole already
+        if trainer.state.status != TrainerStatus.RUNNING or not self._want_full_weights(root):
+            return
+        fsdp_wiring.to_plain(root)
+
+    def _want_full_weights(self, root: nn.Module) -> bool:
+        if self.full_weights_after is not True and self.full_weights_after is not False:  # "auto", decided once
+            self._full_weights_decision = getattr(root, "_full_weights_decision", self._full_weights_decision)
+            if self._full_weights_decision is None:
+                need = fsdp_wiring.full_bytes(root)
+                free = self._free_bytes_per_rank()
+                fits = torch.tensor([float(need <= FULL_WEIGHTS_MEMORY_SHARE * free)], device=self.root_device)
+                dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # every rank the same decision: it is a collective
+                self._full_weights_decision = bool(fits.item())
+                object.__setattr__(root, "_full_weights_decision", self._full_weights_decision)
+                mib = 2**20
+                rank_zero_info(  # one line per module: a later Trainer on it reuses the decision
+                    f"{type(self).__name__}(full_weights_after='auto'): the whole model takes {need / mib:.2f} MiB "
+                    f"against {free / mib:.0f} MiB free per rank on rank 0, so after each stage its parameters "
+                    + ("are whole plain tensors, as under ddp" if self._full_weights_decision else
+                       "stay sharded DTensors (full_weights_after=True forces whole ones)"))
+            return self._full_weights_decision
+        return bool(self.full_weights_after)
+
+    def _free_bytes_per_rank(self) -> float:
+        """Memory free to this rank: its CUDA device's, or the host's available memory over its processes."""
+        if self.root_device.type == "cuda":
+            return float(torch.cuda.mem_get_info(self.root_device)[0])
+        available = 0.0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        available = float(line.split()[1]) * 1024
+        except OSError:
+            available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return available / max(1, self.num_processes)
 
     @override
     def on_train_end(self) -> None:
@@ -481,6 +544,46 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, M
         average, replicated parameters, unused-gradient flags), which against the step time is the share of the
         step that is communication."""
         return dict(self.inter_node.figures)
+
+
+# The precision strings the strategy trains as ddp does (on CPU, Lightning itself turns "16-mixed" into "bf16-mixed",
+# as under ddp). Lightning's connector refuses "16-mixed" for every ModelParallelStrategy, naming that class and
+# Fabric; the check below replaces it for this strategy.
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+
+
+def check_precision(precision: Any) -> None:
+    """Raise one line naming the strategy, ``precision`` and what to pass instead, unless the strategy trains in it."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"ShardedPowerSGDStrategy does not support Trainer(precision={precision!r}); pass one of "
+                         f"{', '.join(repr(p) for p in PRECISIONS)}, or a precision plugin (plugins=[...])")
+
+
+def _own_precision_check() -> None:
+    """Route Lightning's precision check for this strategy (an instance, or its registered name) to
+    :func:`check_precision`; every other strategy keeps Lightning's own."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    original = getattr(_AcceleratorConnector, "_validate_precision_choice", None)
+    if original is None or getattr(original, "_sharded_powersgd", False):
+        return
+
+    def _validate_precision_choice(self: Any) -> None:
+        flag = self._strategy_flag
+        if not (isinstance(flag, ShardedPowerSGDStrategy) or flag == STRATEGY_NAME):
+            return original(self)
+        check_precision(self._precision_flag)
+        self._strategy_flag = STRATEGY_NAME  # Lightning's other checks (bitsandbytes) still run, not its MP list
+        try:
+            return original(self)
+        finally:
+            self._strategy_flag = flag
+
+    _validate_precision_choice._sharded_powersgd = True  # type: ignore[attr-defined]
+    _AcceleratorConnector._validate_precision_choice = _validate_precision_choice  # type: ignore[method-assign]
+
+
+_own_precision_check()
 
 
 if STRATEGY_NAME not in StrategyRegistry:

@@ -45,6 +45,7 @@ from dalle_lightning_plugins.dcp_checkpoint import (
     save_sharded,
     unpack,
 )
+from dalle_lightning_plugins.fsdp_wiring import PLAIN_UNITS_ATTR, from_plain, to_plain
 from dalle_lightning_plugins.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 
 POWERSGD_KEY = "powersgd"
@@ -84,10 +85,20 @@ class ShardedCheckpointing:
     def _full_checkpoints(self) -> bool:
         return self.checkpoint_format == "full"
 
+    def _sharded_for_checkpoint(self) -> None:
+        """A checkpoint of a module left whole after a stage (``full_weights_after``, e.g. ``trainer.save_checkpoint``
+        after ``fit``) is made from its shards, which take the whole values again (no collective); the save that
+        follows makes the module whole again, so the optimizer's (sharded) parameters are the module's meanwhile."""
+        root = getattr(self, "_root", None)
+        if root is not None and getattr(root, PLAIN_UNITS_ATTR, None):
+            from_plain(root)
+            self._whole_after_save = True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state dict: whole on rank 0 (``checkpoint_format="full"``) or sharded (DTensors)."""
         assert self.lightning_module is not None
+        self._sharded_for_checkpoint()
         if self._full_checkpoints:
             return export_full_state_dict(self.lightning_module)
         return get_model_state_dict(self.lightning_module)
@@ -97,6 +108,7 @@ class ShardedCheckpointing:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
+        self._sharded_for_checkpoint()
         if self._full_checkpoints:  # as ``optimizer.state_dict()`` under ddp, whole on rank 0
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return optimizer_state_by_index(get_optimizer_state_dict(self.lightning_module, optimizer, options=options))
@@ -129,6 +141,9 @@ class ShardedCheckpointing:
         named = getattr(self, "_named_collective", None)  # OneLineCollectiveFailures: a lost peer in one line
         with named("a checkpoint's write") if named is not None else contextlib.nullcontext():
             self._save(checkpoint, path)
+            if getattr(self, "_whole_after_save", False):  # see _sharded_for_checkpoint
+                self._whole_after_save = False
+                to_plain(self._root)  # type: ignore[attr-defined]
 
     def _save(self, checkpoint: dict[str, Any], path: _PATH) -> None:
         """Collective: ``checkpoint`` to ``path`` in the strategy's format."""
