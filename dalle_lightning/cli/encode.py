@@ -26,8 +26,7 @@ from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.epoch_loader import no_data_message
 from dalle_lightning.data.shards import resolve_shards
-from dalle_lightning.data.skips import read_shards
-from dalle_lightning.data.splits import AUTO, Split, probe, resolve_splits
+from dalle_lightning.data.splits import AUTO, Split, resolve_splits
 from dalle_lightning.hardware import AUTO, native_bf16, resolve_device
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
@@ -165,11 +164,9 @@ def run(cfg: DictConfig) -> dict[str, int]:
         return {}
     for split in splits:  # refuse before encoding anything, not after the first split
         claim(out / split, "tokens")
+    reader = image_reader(cfg.image_size, 0, list(cfg.background))
     for split in splits.values():  # an unreadable split fails now, not after the others are encoded
-        reader = image_reader(cfg.image_size, 0, list(cfg.background))
-        reader.skipped.quiet = True  # the encoding pass logs each skipped sample; the probe only counts for its line
-        probe(split, lambda urls: read_shards(urls, reader.skipped), lambda s: reader.decode(s, train=False),
-              reader.skipped.summary, reader.unit)
+        reader.probe_split(split)
     tokenizer = CaptionTokenizer.load(cfg.tokenizer, text_len=cfg.text_len)
     dvae, meta = load_artifact(cfg.dvae, stage="dvae", key="dvae")
     device = resolve_device(cfg.device)

@@ -184,19 +184,21 @@ class WebDataModule(pl.LightningDataModule):
         return self.decode(sample)
 
     def check_readable(self) -> None:
-        """Each split's first samples decode (``data.splits.probe``): an unreadable split fails before training.
+        """Each split's first samples decode (``data.splits.probe``): an unreadable split fails before training."""
+        for split in self.splits():
+            if split is not None:
+                self.probe_split(split)
 
-        The probe counts into counters of its own, so the run's counts are those of its passes over the data."""
+    def probe_split(self, split: Split) -> None:
+        """``data.splits.probe`` of one split with this module's decoder (training's, or ``dalle-encode``'s). The
+        probe counts into counters of its own, so the run's counts are those of its passes over the data."""
         counters = {name: getattr(self, name) for name in ("skipped", "converted") if hasattr(self, name)}
+        self.skipped = SkipCounter(quiet=True)
+        if "converted" in counters:
+            self.converted = SharedCounts(counters["converted"].names)
         try:
-            for split in self.splits():
-                if split is None:
-                    continue
-                self.skipped = SkipCounter(quiet=True)
-                if "converted" in counters:
-                    self.converted = SharedCounts(counters["converted"].names)
-                probe(split, lambda urls: read_shards(urls, self.skipped), self.probe_decode, self.skipped.summary,
-                      self.unit)
+            probe(split, lambda urls: read_shards(urls, self.skipped), self.probe_decode, self.skipped.summary,
+                  self.unit)
         finally:
             for name, counter in counters.items():
                 setattr(self, name, counter)
