@@ -1,5 +1,5 @@
-"""Lightning's collectives on sharded values (issue 61): ``reduce``, ``all_gather``, ``broadcast`` and
-``self.log(..., sync_dist=True)`` take the DTensors FSDP2 leaves (a parameter's or a gradient's reduction, ``Shard``
+"""Lightning's collectives on sharded values (issue 61): ``reduce``, ``all_gather``, ``broadcast``,
+``self.log(..., sync_dist=True)`` and a module's own ``torch.distributed.all_reduce``/``broadcast`` take the DTensors FSDP2 leaves (a parameter's or a gradient's reduction, ``Shard``
 or ``Partial`` placements on the node's sub-mesh) and give what ``ddp`` gives for the same full tensor.
 
 Every value is checked against a reference computed by hand in the test process (the full model, the ranks' batches
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dalle_lightning_plugins.dtensor_collectives import full_value
+from dalle_lightning_plugins.dtensor_collectives import enable_raw_collectives, full_value
 from dalle_lightning_plugins.mesh import build_mesh
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
@@ -113,7 +113,21 @@ class Logged(L.LightningModule):
                 "module_all_gather": self.all_gather({"g": weight.grad.sum()})["g"],
                 "broadcast": strategy.broadcast({"w": weight.detach().clone(), "rank": self.global_rank}, src=1),
                 "grad_is_dtensor": isinstance(weight.grad, DTensor),
+                **self._raw_collectives(weight),
             }
+
+    def _raw_collectives(self, weight: nn.Parameter) -> dict[str, torch.Tensor]:
+        """A module's own ``torch.distributed`` calls on a gradient, as Lightning's manual-optimization tests make
+        them: ``all_reduce(grad.data)`` sums the full gradient over the ranks in place (then divided back), and
+        ``broadcast`` of a parameter's copy gives rank 1's full value everywhere."""
+        grad = weight.grad
+        assert grad is not None
+        dist.all_reduce(grad.data)
+        summed = full_value(grad.detach().clone())
+        grad /= self.trainer.world_size
+        sent = weight.detach().clone()
+        dist.broadcast(sent, src=1)
+        return {"raw_all_reduce": summed, "raw_broadcast": full_value(sent)}
 
     def _log_grad_sum(self) -> None:
         grad = self.net[0].weight.grad
@@ -171,6 +185,8 @@ def by_hand() -> dict[str, Any]:
                 "all_gather": torch.stack([weight.grad] * WORLD),
                 "module_all_gather": torch.stack([weight.grad.sum()] * WORLD),
                 "broadcast": {"w": weight.detach().clone(), "rank": 1},
+                "raw_all_reduce": WORLD * weight.grad,
+                "raw_broadcast": weight.detach().clone(),
             }
         with torch.no_grad():
             for p in net.parameters():
@@ -200,7 +216,8 @@ def test_sync_dist_and_collectives_match_ddp_by_hand(fits: dict, layout: str, mo
         assert epoch["g_max_epoch"] == pytest.approx(max(ref["g_max"]), rel=1e-5, abs=1e-6)
         direct, expected = got["direct"], ref["direct"]
         assert direct["grad_is_dtensor"] == (layout == "dpn2")  # sharded within the node: FSDP2's DTensors
-        for key in ("reduce_sum", "reduce_mean", "all_gather", "module_all_gather"):
+        for key in ("reduce_sum", "reduce_mean", "all_gather", "module_all_gather", "raw_all_reduce",
+                    "raw_broadcast"):
             torch.testing.assert_close(direct[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{rank} {key}")
         torch.testing.assert_close(direct["broadcast"]["w"], expected["broadcast"]["w"])
         assert direct["broadcast"]["rank"] == 1
@@ -220,7 +237,16 @@ def two_level_worker(rank: int, world_size: int) -> dict[str, Any]:
         "max": strategy.reduce(value.max(), reduce_op="max"),
         "gather": strategy.all_gather(value),
         "broadcast": strategy.broadcast(value, src=2),
+        "raw_sum": _raw_all_reduce(value),  # Shard(0)
+        "raw_partial": _raw_all_reduce(value.sum()),  # Partial
     }
+
+
+def _raw_all_reduce(value: DTensor) -> torch.Tensor:
+    enable_raw_collectives()
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return full_value(value)
 
 
 def test_two_level_mesh_reduces_over_every_node() -> None:
@@ -231,3 +257,5 @@ def test_two_level_mesh_reduces_over_every_node() -> None:
         torch.testing.assert_close(got["max"], base.max() * 2)
         torch.testing.assert_close(got["gather"], torch.stack([base, base, 2 * base, 2 * base]))
         torch.testing.assert_close(got["broadcast"], 2 * base)
+        torch.testing.assert_close(got["raw_sum"], base * (1 + 1 + 2 + 2))
+        torch.testing.assert_close(got["raw_partial"], base.sum() * (1 + 1 + 2 + 2))

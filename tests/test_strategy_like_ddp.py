@@ -12,6 +12,7 @@ One launch of 2 gloo processes runs every case under both strategies (start-up i
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
@@ -19,7 +20,7 @@ from unittest.mock import Mock
 import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -103,6 +104,51 @@ def _stages(layout: str, rank: int) -> dict[str, Any]:
     return out
 
 
+def _after_fit(layout: str, rank: int, workdir: Path) -> dict[str, Any]:
+    """What Lightning's model pipeline and a user do with a module and Trainer after ``fit``: restore a checkpoint
+    into it (``trainer._checkpoint_connector.restore``, as ``tests_pytorch/helpers/pipelines.py``), load a state
+    dict, ``torch.save`` the module and the Trainer, ``deepcopy`` the module."""
+    torch.manual_seed(0)
+    module = C.Plain()
+    trainer = C.make_trainer(layout, strategy_=_strategy(layout))
+    trainer.fit(module, C.loader(rank))
+    path = workdir / f"after-fit-{layout}.ckpt"
+    trainer.save_checkpoint(path)
+    fitted = snapshot(module)["values"]
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    trainer._checkpoint_connector.restore(str(path))
+    out["restored"] = snapshot(module)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    module.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    out["loaded"] = snapshot(module)
+    saved_module, saved_trainer = workdir / f"module-{layout}-{rank}.pt", workdir / f"trainer-{layout}-{rank}.pt"
+    torch.save(trainer.model, saved_module)
+    torch.save(trainer, saved_trainer)
+    out["model_is_module"] = trainer.model is module  # ddp unwraps its DistributedDataParallel at the end
+    out["pickled_module"] = snapshot(torch.load(saved_module, weights_only=False))
+    out["pickled_trainer"] = snapshot(torch.load(saved_trainer, weights_only=False).lightning_module)
+    out["deepcopy"] = snapshot(copy.deepcopy(module))
+    out["fitted"] = {"values": fitted, "dtensors": 0}
+    return out
+
+
+def _refused_callbacks(rank: int) -> dict[str, str]:
+    """Lightning callbacks that rewrite parameters FSDP2 shards: refused in one line before anything is sharded."""
+    out = {}
+    for callback in (StochasticWeightAveraging(swa_lrs=0.1), ModelPruning("l1_unstructured", amount=0.5)):
+        try:
+            C.fit("dpn2", C.Plain(), rank, strategy_=_strategy("dpn2"), callbacks=[callback])
+            out[type(callback).__name__] = "trained"
+        except ValueError as error:
+            out[type(callback).__name__] = str(error)
+    return out
+
+
 def _kept_sharded(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     module = C.Plain()
@@ -169,6 +215,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layout in LAYOUTS:
         out[("stages", layout)] = _stages(layout, rank)
+        out[("after_fit", layout)] = _after_fit(layout, rank, Path(workdir))
         out[("stranger", layout)] = _stranger(layout, rank)
         out[("prior", layout)] = _prior(layout, rank)
         out[("saves", layout)] = _checkpoint_saves(layout, rank, Path(workdir))
@@ -177,6 +224,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
             out[("precision", precision, layout)] = _precision(layout, rank, precision)
     out[("saves", "dpn2-sharded")] = _checkpoint_saves("dpn2", rank, Path(workdir), "sharded")
     out["kept_sharded"] = _kept_sharded(rank)
+    out["refused"] = _refused_callbacks(rank)
     return out
 
 
@@ -214,6 +262,28 @@ def test_whole_plain_weights_of_other_modules(results: list[dict[str, Any]], cas
         _assert_same(ours["values"], ddp["values"], atol=1e-5)
         if case == "stranger":
             assert bool(ours["changed"]) and bool(ddp["changed"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("use", ["restored", "loaded", "pickled_module", "pickled_trainer", "deepcopy"])
+def test_module_and_trainer_usable_after_fit(results: list[dict[str, Any]], use: str) -> None:
+    """Restoring a checkpoint into the fitted module, loading a state dict, ``torch.save`` of the module and the
+    Trainer and ``deepcopy`` work as under ddp and give the fitted weights (ddp's, plain)."""
+    for rank_out in results:
+        ours, ddp = rank_out[("after_fit", "dpn2")], rank_out[("after_fit", "ddp")]
+        assert ours[use]["dtensors"] == 0 and ours["model_is_module"] and ddp["model_is_module"]
+        _assert_same(ours[use]["values"], ours["fitted"]["values"])
+        _assert_same(ours[use]["values"], ddp[use]["values"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("callback", ["StochasticWeightAveraging", "ModelPruning"])
+def test_callbacks_rewriting_shards_refused_in_one_line(results: list[dict[str, Any]], callback: str) -> None:
+    for rank_out in results:
+        message = rank_out["refused"][callback]
+        assert "\n" not in message
+        assert message.startswith(f"ShardedPowerSGDStrategy(devices_per_node=2) cannot run {callback}: ")
+        assert "devices_per_node=1" in message
 
 
 @pytest.mark.distributed

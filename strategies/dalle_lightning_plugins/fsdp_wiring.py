@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -50,6 +51,33 @@ class ShardedRoot(nn.Module):
 # Attribute of a sharded LightningModule: (its ShardedRoot, shard-axis size). FSDP2 shards a module only once, so
 # a later fit of the same Trainer, or a new Trainer, reuses the units made for it.
 SHARDED_ROOT_ATTR = "_sharded_powersgd_root"
+
+
+class Carried:
+    """A value a module carries from one Trainer to the next that pickling and ``deepcopy`` leave out (as ``None``).
+
+    FSDP2's state holds process groups, which neither can copy; and a copy of a module is a new model, which a
+    later Trainer shards afresh. So ``torch.save(module)`` or ``copy.deepcopy(module)`` after ``fit`` works as under
+    ``ddp``.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (Carried, ())
+
+
+def carried(module: nn.Module, attr: str) -> Any:
+    """The value ``module`` carries under ``attr`` (see :class:`Carried`), or None."""
+    value = module.__dict__.get(attr)
+    return value.value if isinstance(value, Carried) else None
+
+
+def carry(module: nn.Module, attr: str, value: Any) -> None:
+    object.__setattr__(module, attr, Carried(value))  # not a submodule: no parameters counted twice
 
 
 def reshard_all(root: nn.Module) -> None:
@@ -207,8 +235,56 @@ def _fsdp_params(unit: nn.Module) -> list[Any]:
     return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
 
 
-# Attribute of a ShardedRoot made plain by :func:`to_plain`: [(unit, its FSDP class, its FSDP state, its FSDPParams)].
+# Attribute of a ShardedRoot made plain by :func:`to_plain` (carried): [(unit, its FSDP class, its FSDP state, its
+# FSDPParams, its composable-API entries)].
 PLAIN_UNITS_ATTR = "_plain_units"
+
+
+def is_plain(root: nn.Module) -> bool:
+    """Whether :func:`to_plain` made ``root`` whole and plain (and :func:`from_plain` has not sharded it again)."""
+    return bool(carried(root, PLAIN_UNITS_ATTR))
+
+
+def _detach_fsdp_hooks(unit: nn.Module, state: Any, params: list[Any]) -> dict[str, Any]:
+    """Take FSDP2's hooks and composable-API entries off a unit made plain; :func:`_attach_fsdp_hooks` puts them back.
+
+    A plain module is then a single-process one, as under ``ddp``: a forward runs no unshard; ``load_state_dict``
+    runs no post-load hook expecting a DTensor (``reset_sharded_param``); pickling and ``deepcopy`` meet no local
+    closures and no ``fully_shard`` registry entry (whose function pickle cannot name).
+    """
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    for group in state._fsdp_param_groups:
+        for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                        group._module_to_pre_load_state_dict_hook_handle):
+            for handle in handles.values():
+                handle.remove()
+            handles.clear()
+    for fp in params:
+        fp._post_load_hook_handle.remove()
+    entries: dict[str, Any] = {}
+    all_state, registry = unit.__dict__.get(STATE_KEY, {}), unit.__dict__.get(REGISTRY_KEY, {})
+    entries["state"] = {k: all_state.pop(k) for k, v in list(all_state.items()) if v is state}
+    entries["registry"] = {k: registry.pop(k) for k in list(registry) if k == "fully_shard"}
+    return entries
+
+
+def _attach_fsdp_hooks(unit: nn.Module, state: Any, params: list[Any], entries: dict[str, Any]) -> None:
+    unit.__dict__.setdefault(STATE_KEY, {}).update(entries["state"])
+    unit.__dict__.setdefault(REGISTRY_KEY, {}).update(entries["registry"])
+    for fp in params:
+        fp._post_load_hook_handle = fp._module_info.module.register_load_state_dict_post_hook(
+            functools.partial(_reset_sharded_param, fp))
+    for group in state._fsdp_param_groups:
+        group._register_state_dict_hooks()
+    module = state._modules[0]
+    state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True,
+                                                                      with_kwargs=True)
+    state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
+
+
+def _reset_sharded_param(fp: Any, *args: Any, **kwargs: Any) -> None:
+    fp.reset_sharded_param()  # FSDP2's own post-load hook, as fully_shard registers it
 
 
 @torch.no_grad()
@@ -217,11 +293,12 @@ def to_plain(root: nn.Module) -> None:
     leaves a module after ``fit``; :func:`from_plain` shards them again (taking what they hold then).
 
     Each sharded parameter is gathered (``DTensor.full_tensor()``) into a new plain ``nn.Parameter`` registered in
-    its place; the units' forward hooks are removed and their class set back to the module's own, so a forward,
-    ``.cpu()``/``.to()`` or ``load_state_dict`` on the plain module is a single-process one, as under ``ddp``. The
-    shards stay referenced (not registered), for :func:`from_plain`. Memory: the whole model on every rank.
+    its place; the units' hooks are taken off (:func:`_detach_fsdp_hooks`) and their class set back to the
+    module's own, so a forward, ``.cpu()``/``.to()``, ``load_state_dict``, ``torch.save`` or ``deepcopy`` of the
+    plain module is a single-process one, as under ``ddp``. The shards stay referenced (carried, not registered),
+    for :func:`from_plain`. Memory: the whole model on every rank.
     """
-    if getattr(root, PLAIN_UNITS_ATTR, None):
+    if is_plain(root):
         return
     reshard_all(root)
     plain = []
@@ -231,12 +308,10 @@ def to_plain(root: nn.Module) -> None:
         for fp in params:
             sharded = fp.sharded_param
             fp._setattr_on_modules(nn.Parameter(sharded.full_tensor(), requires_grad=sharded.requires_grad))
-        state._pre_forward_hook_handle.remove()
-        state._post_forward_hook_handle.remove()
-        plain.append((unit, type(unit), state, params))
-    for unit, cls, _, _ in plain:
+        plain.append((unit, type(unit), state, params, _detach_fsdp_hooks(unit, state, params)))
+    for unit, cls, *_ in plain:
         unit.__class__ = cls.__bases__[1]  # fully_shard's FSDP<Cls>(FSDPModule, Cls) -> Cls
-    object.__setattr__(root, PLAIN_UNITS_ATTR, plain)
+    carry(root, PLAIN_UNITS_ATTR, plain)
 
 
 @torch.no_grad()
@@ -244,10 +319,10 @@ def from_plain(root: nn.Module) -> None:
     """Undo :func:`to_plain` (no collective): each rank copies its shard of every plain parameter's current value
     into the unit's sharded parameter and registers that again, so what a user did to the plain module between
     two stages (an update, ``load_state_dict``) carries into the next ``fit``. A no-op when ``root`` is sharded."""
-    plain = getattr(root, PLAIN_UNITS_ATTR, None)
+    plain = carried(root, PLAIN_UNITS_ATTR)
     if not plain:
         return
-    for unit, cls, state, params in plain:
+    for unit, cls, state, params, entries in plain:
         unit.__class__ = cls
         for fp in params:
             info = fp._module_info
@@ -258,11 +333,8 @@ def from_plain(root: nn.Module) -> None:
             if local.numel() and rank < len(chunks):
                 local.copy_(chunks[rank].to(local.device, local.dtype))
             fp._setattr_on_modules(fp.sharded_param)
-        module = state._modules[0]
-        state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True,
-                                                                          with_kwargs=True)
-        state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
-    object.__setattr__(root, PLAIN_UNITS_ATTR, None)
+        _attach_fsdp_hooks(unit, state, params, entries)
+    carry(root, PLAIN_UNITS_ATTR, None)
 
 
 @torch.no_grad()

@@ -143,6 +143,13 @@ class InterNodeReduction:
         if self.exchange is not None:
             self.exchange.attach(module, block_names, self.uncompressed, embeddings, replicated)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(trainer)`` after ``fit``, as under ``ddp``) without what holds process groups: the
+        compressor and the exchange are made again by the next :meth:`setup`; the last fit's figures are kept."""
+        state = dict(self.__dict__)
+        state.update(powersgd=None, exchange=None, replicated=[])
+        return state
+
     def detach(self) -> None:
         if self.exchange is not None:
             self.exchange.detach()  # a later fit (or Trainer) attaches again to the model it then has

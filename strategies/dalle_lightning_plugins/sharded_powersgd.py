@@ -55,10 +55,10 @@ from typing_extensions import override
 
 from dalle_lightning_plugins import fsdp_wiring
 from dalle_lightning_plugins.collective_failures import OneLineCollectiveFailures
-from dalle_lightning_plugins.dtensor_collectives import DTensorCollectives
+from dalle_lightning_plugins.dtensor_collectives import DTensorCollectives, enable_raw_collectives
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
-from dalle_lightning_plugins.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot
+from dalle_lightning_plugins.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried, carry
 from dalle_lightning_plugins.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
 from dalle_lightning_plugins.mesh import build_mesh
 from dalle_lightning_plugins.powersgd import DEFAULT_RANK, PowerSGD
@@ -230,16 +230,18 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, per_node, backend, self._timeout)
+        enable_raw_collectives()  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
 
     # ------------------------------------------------------------------ model setup
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        refuse_whole_copy_callbacks(trainer, self.device_mesh["shard"].size())
         self.accelerator.setup(trainer)
         assert self.lightning_module is not None
         module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
-        known: tuple[ShardedRoot, int] | None = getattr(module, SHARDED_ROOT_ATTR, None)
+        known: tuple[ShardedRoot, int] | None = carried(module, SHARDED_ROOT_ATTR)
         shard_size = self.device_mesh["shard"].size()
         if known is not None:
             # A later stage or fit of the same Trainer, or a new Trainer on the same model: FSDP2 shards a module
@@ -256,8 +258,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
             self.model = self._root = root
         else:
             self.model = self._root = self._shard(module)
-            # not a submodule (no parameters counted twice): a plain attribute the module carries to later Trainers
-            object.__setattr__(module, SHARDED_ROOT_ATTR, (self._root, shard_size))
+            carry(module, SHARDED_ROOT_ATTR, (self._root, shard_size))  # for later Trainers; not pickled
         self.inter_node.attach(module, self.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -484,6 +485,14 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
         return replica_divergence(self.lightning_module, self.device_mesh["replicate"], self.world_size)
 
     @override
+    def __getstate__(self) -> dict:
+        """``torch.save(trainer)`` after ``fit``, as under ``ddp``: the launcher's child processes (and their locks)
+        are not part of a pickled strategy; the inter-node compressor drops its process groups itself."""
+        state = super().__getstate__()
+        state["_launcher"] = None
+        return state
+
+    @override
     def teardown(self) -> None:
         self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
         self._leave_weights_whole()
@@ -499,6 +508,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
         if trainer.state.status != TrainerStatus.RUNNING or not self._want_full_weights(root):
             return
         fsdp_wiring.to_plain(root)
+        self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
 
     def _want_full_weights(self, root: nn.Module) -> bool:
         if self.full_weights_after is not True and self.full_weights_after is not False:  # "auto", decided once
@@ -550,6 +560,27 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
 # as under ddp). Lightning's connector refuses "16-mixed" for every ModelParallelStrategy, naming that class and
 # Fabric; the check below replaces it for this strategy.
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+
+
+# Lightning callbacks that change parameters in ways FSDP2's shards cannot follow (with their reason and the way out).
+_WHOLE_COPY_CALLBACKS = {
+    "StochasticWeightAveraging": "it copies the model's parameters into a whole copy it made before sharding "
+    "(Lightning refuses it under its own FSDP strategy too); use an EMA callback that handles shards "
+    "(dalle_lightning_callbacks.ema.EMA)",
+    "ModelPruning": "it re-registers each pruned weight as weight_orig times a mask, which FSDP2's shards cannot follow",
+}
+
+
+def refuse_whole_copy_callbacks(trainer: pl.Trainer, shard_size: int) -> None:
+    """One line before anything is sharded, instead of a DTensor traceback an epoch later."""
+    if shard_size <= 1:
+        return  # devices_per_node=1: parameters stay whole, as under ddp
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        reason = _WHOLE_COPY_CALLBACKS.get(type(callback).__name__)
+        if reason is not None:
+            raise ValueError(
+                f"ShardedPowerSGDStrategy(devices_per_node={shard_size}) cannot run {type(callback).__name__}: "
+                f"{reason}; or pass devices_per_node=1 (parameters whole, PowerSGD between all devices)")
 
 
 def check_precision(precision: Any) -> None:

@@ -45,7 +45,7 @@ from dalle_lightning_plugins.dcp_checkpoint import (
     save_sharded,
     unpack,
 )
-from dalle_lightning_plugins.fsdp_wiring import PLAIN_UNITS_ATTR, from_plain, to_plain
+from dalle_lightning_plugins.fsdp_wiring import from_plain, is_plain, to_plain
 from dalle_lightning_plugins.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 
 POWERSGD_KEY = "powersgd"
@@ -90,7 +90,7 @@ class ShardedCheckpointing:
         after ``fit``) is made from its shards, which take the whole values again (no collective); the save that
         follows makes the module whole again, so the optimizer's (sharded) parameters are the module's meanwhile."""
         root = getattr(self, "_root", None)
-        if root is not None and getattr(root, PLAIN_UNITS_ATTR, None):
+        if root is not None and is_plain(root):
             from_plain(root)
             self._whole_after_save = True
 
