@@ -137,15 +137,35 @@ def _after_fit(layout: str, rank: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
+class MySWA(StochasticWeightAveraging):
+    """A user's subclass, as Lightning's own SWA test writes one."""
+
+
 def _refused_callbacks(rank: int) -> dict[str, str]:
     """Lightning callbacks that rewrite parameters FSDP2 shards: refused in one line before anything is sharded."""
     out = {}
-    for callback in (StochasticWeightAveraging(swa_lrs=0.1), ModelPruning("l1_unstructured", amount=0.5)):
+    for name, callback in (("StochasticWeightAveraging", MySWA(swa_lrs=0.1)),
+                           ("ModelPruning", ModelPruning("l1_unstructured", amount=0.5))):
         try:
             C.fit("dpn2", C.Plain(), rank, strategy_=_strategy("dpn2"), callbacks=[callback])
-            out[type(callback).__name__] = "trained"
+            out[name] = "trained"
         except ValueError as error:
-            out[type(callback).__name__] = str(error)
+            out[name] = str(error)
+    return out
+
+
+def _one_device(rank: int, world_size: int) -> dict[str, Any]:
+    """The same Trainer code on one device (Lightning's ``devices=1`` tests): one node of one, trained as ddp."""
+    external_launch_env(rank)
+    out = {}
+    for layout in LAYOUTS:
+        torch.manual_seed(0)
+        module = C.Plain()
+        strategy = _strategy(layout)
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  use_distributed_sampler=False).fit(module, C.loader(rank))
+        out[layout] = snapshot(module)
     return out
 
 
@@ -284,6 +304,13 @@ def test_callbacks_rewriting_shards_refused_in_one_line(results: list[dict[str, 
         assert "\n" not in message
         assert message.startswith(f"ShardedPowerSGDStrategy(devices_per_node=2) cannot run {callback}: ")
         assert "devices_per_node=1" in message
+
+
+@pytest.mark.distributed
+def test_one_device_is_one_node_of_one() -> None:
+    [got] = run_distributed(_one_device, 1, timeout=120)
+    assert got["dpn2"]["dtensors"] == 0
+    _assert_same(got["dpn2"]["values"], got["ddp"]["values"])
 
 
 @pytest.mark.distributed

@@ -80,7 +80,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
 
     Args:
         devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
-            must be a multiple of it; nodes = world size // devices_per_node.
+            must be a multiple of it; nodes = world size // devices_per_node. A world smaller than it (the same
+            code run on one device) is one node of the devices there are, said in one line.
         block_classes: module classes (or dotted paths) that become FSDP units; with ``block_patterns`` they
             override the model's ``resblocks()`` declaration.
         block_patterns: fnmatch patterns on qualified module names that become FSDP units.
@@ -226,6 +227,10 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
         self._setup_distributed()
         backend = self._get_process_group_backend()
         per_node = self.devices_per_node or self.num_processes
+        if self.world_size < per_node:  # the same code on fewer devices (a one-device debug run): one node of them
+            rank_zero_info(f"{type(self).__name__}(devices_per_node={per_node}) on a world of {self.world_size}: "
+                           f"one node of {self.world_size} device(s)")
+            per_node = self.world_size
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -576,11 +581,13 @@ def refuse_whole_copy_callbacks(trainer: pl.Trainer, shard_size: int) -> None:
     if shard_size <= 1:
         return  # devices_per_node=1: parameters stay whole, as under ddp
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        reason = _WHOLE_COPY_CALLBACKS.get(type(callback).__name__)
-        if reason is not None:
+        # by class name along the MRO: a subclass of Lightning's callback (as tests and users write) is refused too
+        name = next((c.__name__ for c in type(callback).__mro__ if c.__name__ in _WHOLE_COPY_CALLBACKS), None)
+        if name is not None:
             raise ValueError(
-                f"ShardedPowerSGDStrategy(devices_per_node={shard_size}) cannot run {type(callback).__name__}: "
-                f"{reason}; or pass devices_per_node=1 (parameters whole, PowerSGD between all devices)")
+                f"ShardedPowerSGDStrategy(devices_per_node={shard_size}) cannot run {name}: "
+                f"{_WHOLE_COPY_CALLBACKS[name]}; or pass devices_per_node=1 (parameters whole, PowerSGD between all "
+                "devices)")
 
 
 def check_precision(precision: Any) -> None:
