@@ -144,7 +144,8 @@ def run_case(hosts: two_hosts.TwoHosts, work: Path, case: str, steps: int = 300,
     text = "\n".join((base / "broken" / f"node{n}.log").read_text() for n in (0, 1))
     return {"case": case, "exit_codes": codes, "uninterrupted_exit_codes": straight_codes,
             "exact": (base / "broken" / "prior.pt").exists() and same(base / "broken" / "prior.pt", base / "straight" / "prior.pt"),
-            "resumed": "restarted by the launcher" in text and "starting afresh" not in text,
+            # start_decision's one line: the restarted attempt continued this launch, none started it over
+            "resumed": "continuing this launch from" in text and "starting afresh: restarted" not in text,
             "tracebacks": sum("Traceback" in line for line in text.splitlines() if not AGENT_LINE.match(line)),
             "agent_tracebacks": sum("Traceback" in line for line in text.splitlines() if AGENT_LINE.match(line)),
             "uninterrupted_s": round(straight_s, 1), "broken_s": round(broken_s, 1),

@@ -1,8 +1,9 @@
-"""What a restarted worker needs (``dalle_lightning_plugins/elastic.py``, ``dalle_lightning/cli/resume.py``), each
-against what it must do: launch ids from the launchers' own environment, a round's store that an earlier round's
-leftover address cannot hijack, one checkpoint every rank holds, the runs of this launch only, and a lost peer
-that ends in one line. The whole, under ``torchrun --max-restarts`` between two namespaces, is in
-``tests/test_two_namespaces.py``."""
+"""What a restarted worker needs (``dalle_lightning_plugins/elastic.py``, ``dalle_lightning/cli/resume.py``,
+``dalle_lightning/cli/start_decision.py``), each against what it must do: a round's store that an earlier round's
+leftover address cannot hijack, one checkpoint every rank holds, checkpoints ordered by their own step and agreed on
+by their path relative to the work directory. Which launch continues: ``tests/test_launch_identity.py``; lost
+peers against bugs: ``tests/test_peer_loss.py``. The whole, under ``torchrun --max-restarts`` between two
+namespaces, is in ``tests/test_two_namespaces.py``."""
 
 from __future__ import annotations
 
@@ -17,24 +18,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from dalle_lightning.cli.common import lost_peer
-from dalle_lightning.cli.resume import LAUNCH_FILE, launch_runs, record_launch, restart_checkpoint
+from dalle_lightning.cli.resume import checkpoint_step, launch_checkpoints, newest_complete
+from dalle_lightning.cli.start_decision import decide_start, record_launch
 from dalle_lightning_plugins import elastic
+from dalle_lightning_plugins.launch_identity import this_launch
 from tests.helpers.distributed import run_distributed
-
-
-def test_launch_ids_name_the_agent_the_rendezvous_and_the_job() -> None:
-    torchrun = {"TORCHELASTIC_ERROR_FILE": "/tmp/torchelastic_ab12/none_cd34/attempt_2/1/error.json",
-                "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "2"}
-    (agent,) = elastic.launch_ids(torchrun)
-    assert agent == f"torchelastic:{socket.gethostname()}:/tmp/torchelastic_ab12/none_cd34"  # attempt-free
-    again = dict(torchrun, TORCHELASTIC_ERROR_FILE="/tmp/torchelastic_ab12/none_cd34/attempt_3/0/error.json")
-    assert elastic.launch_ids(again) == [agent]  # the next restart, another local rank: the same launch
-    assert elastic.launch_ids(dict(torchrun, TORCHELASTIC_RUN_ID="job7"))[1] == "rdzv:job7"
-    assert elastic.launch_ids({"SLURM_JOB_ID": "99", "SLURM_RESTART_COUNT": "1"}) == ["slurm:99"]
-    assert elastic.launch_ids({"SLURM_JOB_ID": "99", "SLURM_ARRAY_JOB_ID": "98", "SLURM_ARRAY_TASK_ID": "3"}) == ["slurm:98_3"]
-    assert elastic.launch_ids({}) == []  # a plain run, or Lightning's own launcher: nothing restarts it
-    assert elastic.restart_count(torchrun) == 2 and elastic.restart_count({}) == 0
 
 
 def _dead_port() -> int:
@@ -85,60 +73,51 @@ def test_ranks_agree_on_the_newest_checkpoint_they_all_hold() -> None:
     assert elastic.agree_on_checkpoint(["c2", "c1"]) == "c2"  # one process: its newest
 
 
-def _run(runs: Path, name: str, ids: list[str] | None, finished: bool = False, steps: tuple[int, ...] = ()) -> Path:
-    run = runs / "prior" / name
-    (run / "checkpoints").mkdir(parents=True)
-    if ids is not None:
-        record_launch(run, ids)
-    for step in steps:  # written in order, an update a second apart: resume=auto orders by modification time
-        path = run / "checkpoints" / f"step={step}.ckpt"
-        torch.save({"global_step": step}, path)
-        os.utime(path, (1_700_000_000 + step, 1_700_000_000 + step))
-    if finished:
-        (run / "metrics.json").write_text("{}")
-    return run
+def _checkpoint(run: Path, name: str, step: int, mtime: int) -> Path:
+    """A complete checkpoint file of update ``step`` whose file time says ``mtime`` (a copy without ``-p``, a
+    client's clock)."""
+    path = run / "checkpoints" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step}, path)
+    os.utime(path, (mtime, mtime))
+    return path
 
 
-def test_a_restart_continues_its_own_launch_only(tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
-    ours = ["torchelastic:host:/tmp/torchelastic_a/none_b"]
-    mine = _run(runs, "1-first-attempt", ours, steps=(10, 20))
-    _run(runs, "0-earlier-launch", ["torchelastic:host:/tmp/torchelastic_z/none_y"], steps=(10, 20, 30, 40))
-    _run(runs, "2-plain-run", None, steps=(50,))  # newer, but no restarting launcher made it
-    _run(runs, "3-finished", ours, finished=True, steps=(60,))  # ours, but it ended: never continued
-    cfg = OmegaConf.create({"paths": {"runs": str(runs)}, "stage": {"name": "prior"}})
-    assert launch_runs((runs / "prior").glob("*"), ours) == [mine]
-
-    new_dir = _run(runs, "4-second-attempt", None)
-    chosen = restart_checkpoint(cfg, None, new_dir, None, ours)
-    assert chosen == str(mine / "checkpoints" / "step=20.ckpt")
-    assert OmegaConf.load(new_dir / LAUNCH_FILE)["ids"] == ours  # a third attempt finds this one too
-
-    # one SLURM job's second run of another command is not a restart of the first
-    job = ["slurm:77"]
-    _run(runs, "6-job-first-run", None, steps=(10,))
-    record_launch(runs / "prior" / "6-job-first-run", job, ["stage=prior", "trainer.max_steps=10"])
-    assert launch_runs((runs / "prior").glob("*"), job, ["stage=prior", "trainer.max_steps=99"]) == []
-    assert launch_runs((runs / "prior").glob("*"), job, ["stage=prior", "trainer.max_steps=10", "resume=auto"]) == [
-        runs / "prior" / "6-job-first-run"]
-
-    # a launch's first start (no run of it yet) goes on with what resume= asked for; no launcher: nothing changes
-    fresh = ["torchelastic:host:/tmp/torchelastic_new/none_c"]
-    assert restart_checkpoint(cfg, None, _run(runs, "5-new-launch", None), None, fresh) is None
-    assert restart_checkpoint(cfg, "given.ckpt", None, None, []) == "given.ckpt"
+def test_checkpoints_are_ordered_by_their_own_step_not_by_file_time(tmp_path: Path) -> None:
+    runs = tmp_path / "runs" / "prior"
+    older = runs / "2026-11-28_07-00-00_aaaa"
+    _checkpoint(older, "step=30.ckpt", 30, mtime=1_700_000_900)  # copied last: the newest file time of all
+    run = runs / "2026-11-28_08-00-00_bbbb"  # began later: resume=auto's run
+    _checkpoint(run, "step=20.ckpt", 20, mtime=1_700_000_500)
+    _checkpoint(run, "step=10.ckpt", 10, mtime=1_700_000_800)  # an older update with a newer file time
+    assert checkpoint_step(run / "checkpoints" / "step=20.ckpt") == 20
+    assert newest_complete([older, run])[0] == run / "checkpoints" / "step=20.ckpt"
+    # one launch's attempts continue each other: across its directories the highest step is the newest
+    assert [step for _, step in launch_checkpoints([older, run])] == [30, 20, 10]
 
 
-def test_lost_peers_are_told_from_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    ours = RuntimeError("node 0 (rank 0): the inter-node gradient exchange with node(s) [1] failed after 8.0 s")
-    assert lost_peer(ours)
-    assert lost_peer(dist.DistNetworkError("connect failed"))
-    wrapped = RuntimeError("could not save")
-    wrapped.__cause__ = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv")
-    assert lost_peer(wrapped)
-    assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))  # a bug keeps its traceback
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert not lost_peer(ours)  # one process has no peer
+def _decide_on_mount(rank: int, world_size: int, mounts: list[str]) -> tuple[str, str | None]:
+    """A requeued job's rank on a node that mounts the work directory at ``mounts[rank]``."""
+    work = Path(mounts[rank])
+    cfg = OmegaConf.create({"paths": {"runs": str(work / "runs"), "work_dir": str(work)}, "stage": {"name": "prior"},
+                            "resume": None})
+    requeued = this_launch({"SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "1"})
+    decision = decide_start(cfg, None, None, None, ["stage=prior"], requeued)
+    return decision.kind, decision.checkpoint
+
+
+def test_nodes_that_mount_the_work_dir_at_different_paths_agree_on_the_checkpoint(tmp_path: Path) -> None:
+    node0 = tmp_path / "mnt" / "shared"
+    run = node0 / "runs" / "prior" / "2026-11-28_08-00-00_aaaa"
+    run.mkdir(parents=True)
+    record_launch(run, this_launch({"SLURM_JOB_ID": "9"}), ["stage=prior"])  # the job's first start, then killed
+    _checkpoint(run, "last.ckpt", 8, mtime=1_700_000_000)
+    node1 = tmp_path / "data" / "shared"
+    node1.parent.mkdir()
+    node1.symlink_to(node0)  # the same file system, another mount point
+    got = run_distributed(_decide_on_mount, 2, [str(node0), str(node1)], start_method="fork")
+    assert got == [("continue", str(run / "checkpoints" / "last.ckpt")),
+                   ("continue", str(node1 / "runs" / "prior" / run.name / "checkpoints" / "last.ckpt"))]
 
 
 def test_a_second_group_in_one_process_takes_the_new_store() -> None:

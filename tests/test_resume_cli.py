@@ -44,12 +44,12 @@ def _cfg(work: Path, stage: str = "dvae", resume: object = "auto"):
 
 
 def test_auto_is_the_newest_last_checkpoint_of_the_stage_not_of_this_run(tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
-    _checkpoint(runs, "dvae", "a", 100)
-    newest = _checkpoint(runs, "dvae", "b", 300, sharded=True)
-    _checkpoint(runs, "dvae", "c", 200)
-    _checkpoint(runs, "prior", "d", 400)  # another stage
-    own = _checkpoint(runs, "dvae", "now", 500)  # this run's own directory (it has just begun)
+    runs = tmp_path / "runs"  # run directories are named by their start (${run_id:}); file times do not count
+    _checkpoint(runs, "dvae", "2026-01-01_10-00-00_a", 100)
+    newest = _checkpoint(runs, "dvae", "2026-01-01_12-00-00_b", 100, sharded=True)
+    _checkpoint(runs, "dvae", "2026-01-01_11-00-00_c", 300)
+    _checkpoint(runs, "prior", "2026-01-01_13-00-00_d", 400)  # another stage
+    own = _checkpoint(runs, "dvae", "2026-01-01_14-00-00_now", 500)  # this run's own directory (it has just begun)
     assert newest_checkpoint(runs, "dvae", exclude=own.parents[1]) == newest
     assert resume_checkpoint(_cfg(tmp_path), run_dir=own.parents[1]) == str(newest)
     assert resume_checkpoint(_cfg(tmp_path, resume=None)) is None

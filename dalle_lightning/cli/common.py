@@ -31,6 +31,7 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 from dalle_lightning.artifacts import register_resolvers
 from dalle_lightning.cli.run_lock import release_all, run_id
 from dalle_lightning import hardware
+from dalle_lightning_plugins import peer_loss
 from dalle_lightning_plugins.atomic_files import AtomicWriteError
 
 log = logging.getLogger("dalle_lightning")
@@ -87,36 +88,31 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
             if isinstance(exc, InterpolationResolutionError):  # a ValueError too: a value an artifact gives
                 fail(_hydra_error_line(exc))
             fail(str(exc) or type(exc).__name__)
-        except RuntimeError as exc:  # torch.distributed.DistError is one
+        except RuntimeError as exc:  # torch.distributed.DistError and the strategies' PeerLost are ones
             if os.environ.get("DALLE_DEBUG") or not lost_peer(exc):
-                raise
+                raise  # a bug: its traceback on stderr, exit code 1
             lost_peer_exit(exc)
 
     return wrapper
 
 
-PEER_SIGNS = ("gloo", "nccl", "connection reset", "connection refused", "connectfullmesh", "timed out", "timeout")
-
-
 def lost_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a collective or store that failed because a peer or the link went:
-    the strategies' own one line (``node 0 (rank 0): ... with node(s) [1] failed ...``) or torch.distributed's."""
+    """Whether ``exc`` says, by its type, that a peer or the link went (``dalle_lightning_plugins.peer_loss``:
+    torch.distributed's network and store errors, the strategies' ``PeerLost``, NCCL's remote error, gloo's
+    transport errors); one process has no peer to lose. Anything else is a bug and keeps its traceback."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return False  # one process has no peer to lose
-    while exc is not None:
-        text = str(exc).lower()
-        if isinstance(exc, dist.DistError) or text.startswith("node ") or any(sign in text for sign in PEER_SIGNS):
-            return True
-        exc = exc.__cause__
-    return False
+        return False
+    return peer_loss.lost_peer(exc)
 
 
 def lost_peer_exit(exc: BaseException) -> None:
-    """End this process with one line on every rank (each node says what it saw) and exit code 1, which a
-    restarting launcher (``torchrun --max-restarts``) answers by restarting the workers; the traceback goes to
-    torchrun's error file only, where its final report reads it."""
+    """End this process with one line on every rank (each node says what it saw) and exit code 75
+    (``peer_loss.LOST_PEER_EXIT``, EX_TEMPFAIL), which a restarting launcher answers by restarting the workers
+    (torchrun: any failure; SLURM: ``RequeueExit=75`` in slurm.conf requeues on it alone) and which a bug (exit
+    code 1, its traceback on stderr) never has; the traceback goes to torchrun's error file, where its final
+    report reads it."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -132,7 +128,7 @@ def lost_peer_exit(exc: BaseException) -> None:
     # Not sys.exit: the interpreter's exit would tear down the process group, whose sockets wait on the lost peer
     # (up to the whole outage: 43 s of a 30 s link cut, measured). Nothing is left to write; the kernel releases
     # the run's locks (run_lock) with the process.
-    os._exit(1)
+    os._exit(peer_loss.LOST_PEER_EXIT)
 
 
 QUIET_WARNINGS = (
@@ -169,6 +165,29 @@ def quiet_libraries(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
         if process_rank() != 0:
             logging.getLogger("dalle_lightning").setLevel(logging.ERROR)
         return main(cfg)
+
+    return wrapper
+
+
+def fast_path_errors_in_run_dir(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """The full errors of fast paths that fell back (``dalle_lightning_plugins.fast_paths``) go to the run
+    directory, ``<hydra run dir>/fast_path_errors.log``, beside the run's log, unless the user named a file in
+    ``DALLE_LIGHTNING_FAST_PATH_ERRORS``; the variable is restored when the app returns (tests run several apps in
+    one process), and processes the app starts (Lightning's launcher) inherit it."""
+
+    @functools.wraps(main)
+    def wrapper(cfg: DictConfig) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+
+        from dalle_lightning_plugins.fast_paths import ERRORS_ENV
+
+        if os.environ.get(ERRORS_ENV) or not HydraConfig.initialized():
+            return main(cfg)
+        os.environ[ERRORS_ENV] = str(Path(HydraConfig.get().runtime.output_dir) / "fast_path_errors.log")
+        try:
+            return main(cfg)
+        finally:
+            os.environ.pop(ERRORS_ENV, None)
 
     return wrapper
 
@@ -250,7 +269,7 @@ def hydra_app(config_name: str, every_rank: bool = False) -> Callable[[Callable[
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         body = task if every_rank else rank_zero_app(task)
         hydra_main = hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(
-            one_line_errors(quiet_libraries(body)))
+            one_line_errors(quiet_libraries(fast_path_errors_in_run_dir(body))))
 
         @functools.wraps(task)
         def main() -> Any:

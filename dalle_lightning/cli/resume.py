@@ -2,10 +2,13 @@
 
 Every training run keeps its checkpoints in ``checkpoints/`` of its Hydra run directory
 (``<paths.runs>/<stage>/<time>/``): ``last.ckpt`` and the periodic ones, files single-process, sharded directories
-under ``strategy=sharded_powersgd``. ``resume=auto`` takes the newest complete one of the stage (the last written,
-so a run that was itself resumed and then killed again is continued, not its predecessor), skipping, with one line
-saying which, any that is truncated or incomplete (``dalle_lightning_plugins.checkpoint_io.checkpoint_problem``);
-``resume=PATH`` names one; ``resume=null`` starts from scratch.
+under ``strategy=sharded_powersgd``. ``resume=auto`` takes the newest complete one of the stage: of the run that
+began last (so a run that was itself resumed and then killed again is continued, not its predecessor), its highest
+update, skipping, with one line saying which, any that is truncated or incomplete
+(``dalle_lightning_plugins.checkpoint_io.checkpoint_problem``); ``resume=PATH`` names one; ``resume=null`` starts
+from scratch. "Newest" is read from the runs' and checkpoints' own records (a run's start in its ``launch.json`` or
+its directory's name, a checkpoint's ``global_step``), never from file times, which a copy without ``-p`` resets
+and a client's clock stamps.
 
 Inside a multirun sweep (``dalle-train -m ... resume=auto``) a job's runs live under the sweep directory
 (``<sweep>/<job>/``), not under ``<paths.runs>/<stage>/``: ``auto`` takes the newest complete checkpoint of the
@@ -13,26 +16,23 @@ sweep's jobs with this job's overrides (``resume=`` aside), its own directory in
 preemption or time limit, ``hydra.launcher.max_num_timeout``) runs again in the very directory it was interrupted
 in. A job with no checkpoint yet (its first start) starts afresh, so one command serves both.
 
-Whatever ``resume`` says, a worker that a restarting launcher started again (``torchrun --max-restarts``, a requeued
-SLURM job) continues its own launch: :func:`restart_checkpoint` finds the unfinished runs of the launch
-(``launch.json``) and the ranks agree on the newest checkpoint they all hold.
+Whatever ``resume`` says, a worker that its launcher restarted (``torchrun --max-restarts``, a requeued SLURM job)
+continues its own launch; that decision, and this module's answer otherwise, is taken in one place:
+:func:`dalle_lightning.cli.start_decision.decide_start`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dalle_lightning.cli.common import process_rank
-from dalle_lightning_plugins.atomic_files import write_json
 from dalle_lightning_plugins.checkpoint_io import checkpoint_problem
-from dalle_lightning_plugins.elastic import agree_on_checkpoint, all_gather_objects, restart_count
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -40,14 +40,53 @@ AUTO = "auto"
 LAST = "last.ckpt"
 
 
-def checkpoints_in(run_dirs: Iterable[Path]) -> list[Path]:
-    """Every checkpoint (``checkpoints/*.ckpt``, not a temporary one) of ``run_dirs``, newest first."""
-    found = [p for run in run_dirs for p in (run / "checkpoints").glob("*.ckpt") if not p.name.startswith(".")]
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+def checkpoint_step(path: Path) -> int | None:
+    """The update a complete checkpoint was taken after (``global_step`` in its own metadata: the file's, or a
+    sharded directory's metadata file), None where it does not say. Not the file's time, which a copy without
+    ``-p`` resets and a client's clock stamps."""
+    try:
+        if path.is_dir():
+            from dalle_lightning_plugins.dcp_checkpoint import read_metadata
+
+            saved = read_metadata(path)
+        else:
+            try:  # mmap: the tensors stay on disk, only the small pickle is read
+                saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            except RuntimeError:  # an archive torch cannot map (written by an old torch)
+                saved = torch.load(path, map_location="cpu", weights_only=False)
+        step = saved.get("global_step") if isinstance(saved, dict) else None
+    except Exception:  # noqa: BLE001 - complete but unreadable here: it orders last, it is not dropped
+        return None
+    return int(step) if isinstance(step, int) else None
+
+
+def run_start(run: Path) -> str:
+    """When a run began, as its own record says (``launch.json``'s ``started``, written by rank 0 when it starts),
+    else its directory's name (``${run_id:}``: the start time first); never a file time."""
+    try:
+        started = json.loads((run / LAUNCH_FILE).read_text()).get("started")
+    except (OSError, ValueError, AttributeError):
+        started = None
+    return str(started) if started else run.name
+
+
+def _runs_newest_first(run_dirs: Iterable[Path]) -> list[Path]:
+    return sorted(run_dirs, key=lambda run: (run_start(run), run.name), reverse=True)
+
+
+def _by_step(paths: Iterable[Path]) -> list[tuple[Path, int | None]]:
+    """``paths`` with their steps, the highest step first (unknown steps last; ties: last.ckpt, then by name)."""
+    stepped = [(p, checkpoint_step(p)) for p in paths]
+    return sorted(stepped, key=lambda ps: (ps[1] if ps[1] is not None else -1, ps[0].name == LAST, ps[0].name),
+                  reverse=True)
+
+
+def _checkpoint_files(run: Path) -> list[Path]:
+    return [p for p in (run / "checkpoints").glob("*.ckpt") if not p.name.startswith(".")]
 
 
 def newest_checkpoint(runs: Path, stage: str, exclude: Path | None = None) -> Path | None:
-    """The most recently written complete checkpoint of ``<runs>/<stage>/*/`` (not under ``exclude``), or None."""
+    """The newest complete checkpoint of ``<runs>/<stage>/*/`` (not under ``exclude``), or None."""
     return newest_complete(stage_runs(runs, stage, exclude))[0]
 
 
@@ -57,14 +96,27 @@ def stage_runs(runs: Path, stage: str, exclude: Path | None = None) -> list[Path
 
 
 def newest_complete(run_dirs: Iterable[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint of ``run_dirs`` (None if none) and the newer ones skipped, with why."""
+    """The newest complete checkpoint of ``run_dirs`` (None if none) and the incomplete ones passed over, with why:
+    the run that began last first (a run that continued another began after it, so a resumed run that was killed
+    again is continued, not its predecessor), and in a run the highest step."""
     skipped = []
-    for path in checkpoints_in(run_dirs):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path, skipped
-        skipped.append((path, problem))
+    for run in _runs_newest_first(run_dirs):
+        complete = []
+        for path in _checkpoint_files(run):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                complete.append(path)
+            else:
+                skipped.append((path, problem))
+        if complete:
+            return _by_step(complete)[0][0], skipped
     return None, skipped
+
+
+def launch_checkpoints(run_dirs: Iterable[Path]) -> list[tuple[Path, int | None]]:
+    """Every complete checkpoint of one launch's runs, the highest step first (its attempts continue each other,
+    so the highest step is the newest, whichever directory holds it)."""
+    return _by_step(p for run in run_dirs for p in _checkpoint_files(run) if checkpoint_problem(p) is None)
 
 
 def sweep_job_runs(sweep_dir: Path, overrides: Iterable[str]) -> list[Path]:
@@ -134,70 +186,5 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
     return str(path)
 
 
-# ---------------------------------------------------------------------------------------------- restarted launches
-
-LAUNCH_FILE = "launch.json"  # in a run directory: the launch it belongs to (dalle_lightning_plugins.elastic.launch_ids)
+LAUNCH_FILE = "launch.json"  # in a run directory: when it began and the launch it belongs to (start_decision.py)
 FINISHED_FILE = "metrics.json"  # written by rank 0 when the run ends: a finished run is never continued by a restart
-
-
-def launch_runs(run_dirs: Iterable[Path], ids: Iterable[str], overrides: Iterable[str] | None = None) -> list[Path]:
-    """The run directories an earlier attempt of this launch made (its ``launch.json`` names one of ``ids``), with
-    the same command-line ``overrides`` (``resume=`` aside; where known), and that did not finish. The overrides
-    tell apart two runs one SLURM job made one after the other."""
-    wanted = set(ids)
-    key = None if overrides is None else list(_job_key(overrides))
-    found = []
-    for run in run_dirs:
-        try:
-            record = json.loads((run / LAUNCH_FILE).read_text())
-            recorded = set(record.get("ids", []))
-        except (OSError, ValueError, AttributeError):
-            continue  # not a run of a restarting launcher, or one whose file was never finished
-        same = key is None or record.get("overrides") is None or record["overrides"] == key
-        if recorded & wanted and same and not (run / FINISHED_FILE).exists():
-            found.append(run)
-    return found
-
-
-def candidate_runs(cfg: DictConfig, sweep: tuple[Path, list[str]] | None) -> list[Path]:
-    """Where a restarted attempt looks for its launch's runs: the stage's run directories, or a sweep's jobs."""
-    if sweep is not None:
-        return [d for d in sweep[0].glob("*") if d.is_dir()]
-    return stage_runs(Path(cfg.paths.runs), cfg.stage.name)
-
-
-def record_launch(run_dir: Path, ids: Iterable[str], overrides: Iterable[str] | None = None) -> None:
-    """Name this run's launch (and its command-line overrides) in its directory (rank 0), so that a restart of the
-    launch finds the run."""
-    write_json(run_dir / LAUNCH_FILE, {"ids": sorted(set(ids)), "written": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                       "overrides": None if overrides is None else list(_job_key(overrides))})
-
-
-def restart_checkpoint(cfg: DictConfig, requested: str | None, run_dir: Path | None,
-                       sweep: tuple[Path, list[str]] | None, local_ids: list[str],
-                       overrides: list[str] | None = None) -> str | None:
-    """Collective (every rank calls it once the default process group is up, or alone): the checkpoint a run
-    continues from when a restarting launcher started it again.
-
-    The ranks pool their launch ids (:func:`dalle_lightning_plugins.elastic.launch_ids`: every node's torchrun
-    agent, the rendezvous id, the SLURM job), find the unfinished runs of this launch, and agree on the newest
-    checkpoint every rank holds complete; rank 0 then names the launch in its own run directory. With no earlier
-    attempt (a launch's first start, or no restarting launcher) the run goes on with ``requested``
-    (``resume=...``)."""
-    pooled = sorted({i for ids in all_gather_objects(local_ids) for i in ids})
-    if not pooled:
-        return requested
-    runs = launch_runs(candidate_runs(cfg, sweep), pooled, overrides)
-    complete = []
-    for path in checkpoints_in(runs):
-        if checkpoint_problem(path) is None:
-            complete.append(str(path))
-    chosen = agree_on_checkpoint(complete)
-    if run_dir is not None and process_rank() == 0:
-        record_launch(run_dir, pooled, overrides)
-    if chosen is not None:
-        log.info("restarted by the launcher (attempt %d on this node): resuming from %s", restart_count(), chosen)
-        return chosen
-    if runs:
-        log.info("restarted by the launcher: no complete checkpoint of this launch yet; starting afresh")
-    return requested

@@ -8,7 +8,9 @@ half-made directory. ``on_run_start`` and ``on_multirun_start`` come first: each
 created. The run (or sweep) directory's name is fixed here, once (``${run_id:}`` draws a new one on every
 resolution), so that Hydra, the app and Lightning's launcher (which passes ``hydra.run.dir`` to the processes it
 starts) all see the same one. In a sweep, each job locks its outputs and its own directory when it starts and
-unlocks them when it ends, so jobs with distinct outputs run side by side and jobs sharing one refuse.
+unlocks them when it ends, so jobs with distinct outputs run side by side and jobs sharing one refuse. The ranks of
+one run share its directory: rank 0 writes its log, ``.hydra/`` and checkpoints there, every other rank its own
+log beside them (``rank_logs``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from typing_extensions import override
 
 from dalle_lightning.cli import checks, run_lock
-from dalle_lightning.cli.common import fail
+from dalle_lightning.cli.common import fail, process_rank
 
 
 def resolved(config: DictConfig, key: str) -> Any:
@@ -53,6 +55,20 @@ def prepare_hydra_config(config: DictConfig, dir_key: str) -> str:
             config.hydra.runtime.output_dir = run_dir
     HydraConfig.instance().set_config(config)
     return run_dir
+
+
+def rank_logs(config: DictConfig, run_dir: str) -> None:
+    """On a rank other than 0 of a run whose ranks share one run directory (torchrun, Lightning's launcher): its
+    log file beside rank 0's (``train.rank1.log``), and no second copy of ``.hydra/`` (rank 0 writes it)."""
+    rank = process_rank()
+    if rank == 0:
+        return
+    handler = OmegaConf.select(config, "hydra.job_logging.handlers.file")
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
+        if handler is not None and "filename" in handler:
+            name = OmegaConf.select(config, "hydra.job.name") or "run"
+            handler.filename = os.path.join(run_dir, f"{name}.rank{rank}.log")
 
 
 class RunGuard(Callback):
@@ -101,6 +117,7 @@ class RunGuard(Callback):
         run_dir = prepare_hydra_config(config, "hydra.run.dir")
         self.check_paths(config, run_dir, "hydra.run.dir")
         self.lock(config, run_dir, "hydra.run.dir")
+        rank_logs(config, run_dir)
 
     @override
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:

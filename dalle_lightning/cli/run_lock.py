@@ -9,8 +9,9 @@ however it dies, so a killed run never blocks the next one. A second run that wo
 at once with one line naming the first (its pid, host and run directory).
 
 Run directories are distinct by name too (``${run_id:}``: the start time and a random suffix), so two runs started
-in the same second never share logs or checkpoints; ``DALLE_RUN_ID`` pins the name for launchers that start every
-rank by itself (``torchrun``, ``srun``), so that all ranks of one run share one directory.
+in the same second never share logs or checkpoints. Under ``torchrun`` every rank and every restart attempt of one
+launch takes the launch's start, agreed on in torchrun's store, so a launch keeps one directory;
+``DALLE_RUN_ID`` pins the name for other launchers that start every rank by itself (``srun``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ import sys
 import time
 from pathlib import Path
 
+from dalle_lightning_plugins.launch_identity import agreed_start
+
 _held: dict[str, int] = {}  # lock file -> open descriptor, for as long as this process holds it
 _issued: set[str] = set()  # run ids this process has named: never twice, however many fall in one second
 
 
 def run_id() -> str:
-    """The name of a new run directory: ``DALLE_RUN_ID`` if set, else the start time and a random suffix
-    (``2026-11-25_12-05-30_3f2a``), sortable by time and distinct for runs started in the same second."""
-    pinned = os.environ.get("DALLE_RUN_ID")
+    """The name of a new run directory: ``DALLE_RUN_ID`` if set; under torchrun, the launch's start that every rank
+    and every restart attempt agree on (``launch_identity.agreed_start``: one directory per launch); else the start
+    time and a random suffix (``2026-11-25_12-05-30_3f2a``), sortable by time and distinct for runs started in the
+    same second."""
+    pinned = os.environ.get("DALLE_RUN_ID") or agreed_start()
     if pinned:
         return pinned
     while True:  # 4 random hex digits collide within 50 draws 2% of the time: this process never repeats one

@@ -106,9 +106,11 @@ def stop_message(cfg: DictConfig, trainer: Any, signum: int, resumed_from: str |
 
 
 def last_checkpoint(trainer: Any) -> tuple[Path, int | None] | None:
-    """The newest complete checkpoint in the run's checkpoint directories, and its update where the callback that
-    wrote it last knows it (``last.ckpt``, or its newest periodic one without ``save_last``)."""
-    found: list[tuple[float, Path, int | None]] = []
+    """The newest complete checkpoint in the run's checkpoint directories (the highest update its own metadata
+    records; ``last.ckpt`` first among equals), and its update."""
+    from dalle_lightning.cli.resume import checkpoint_step
+
+    found: list[tuple[tuple[int, bool], Path, int | None]] = []  # by the update the checkpoint itself records
     for callback in getattr(trainer, "checkpoint_callbacks", []):
         newest = getattr(callback, "last_model_path" if getattr(callback, "save_last", None) else "best_model_path", "")
         step = getattr(callback, "_last_global_step_saved", None)
@@ -119,7 +121,9 @@ def last_checkpoint(trainer: Any) -> tuple[Path, int | None] | None:
         for path in paths:
             if path.exists() and checkpoint_problem(path) is None:
                 known = str(path) == newest and isinstance(step, int) and step >= 0
-                found.append((path.stat().st_mtime, path, step if known else None))
+                saved = checkpoint_step(path)  # never the file time (a copy without -p resets it)
+                found.append(((saved if saved is not None else -1, path.name == "last.ckpt"), path,
+                              step if known else saved))
     if not found:
         return None
     _, path, step = max(found, key=lambda item: item[0])

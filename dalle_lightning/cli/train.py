@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from hydra.utils import instantiate
@@ -28,9 +29,12 @@ from dalle_lightning_callbacks.random_state import RandomState
 from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks, sizes
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
-from dalle_lightning.cli.resume import candidate_runs, launch_runs, restart_checkpoint, resume_checkpoint
+from dalle_lightning.cli.held_logs import held_logs, release
+from dalle_lightning.cli.resume import resume_checkpoint
+from dalle_lightning.cli.start_decision import CONTINUE, decide_start
 from dalle_lightning.cli.stopped import stop_reported
-from dalle_lightning_plugins.elastic import init_default_group, launch_ids
+from dalle_lightning_plugins.elastic import init_default_group
+from dalle_lightning_plugins.launch_identity import this_launch
 from dalle_lightning.lineage import stage_record
 from dalle_lightning_plugins.atomic_files import write_json
 
@@ -129,20 +133,19 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     if not cfg.trainer.enable_progress_bar:  # Lightning refuses a bar callback with the bar disabled
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     logger = instantiate(cfg.logger) if cfg.logger else False
-    ids = launch_ids()  # set where a restarting launcher (torchrun, SLURM) started this process
-    if ids:  # the launcher stops healthy workers with SIGTERM to restart them; lost_peer_exit says so in its line
+    if this_launch().restarting_launcher:  # the launcher stops healthy workers with SIGTERM to restart them
         logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector").setLevel(logging.WARNING)
-    quiet: dict[str, Any] = {}
-    if ids and launch_runs(candidate_runs(cfg, _sweep()), ids, _overrides()):
-        quiet = quiet_restart()  # an earlier attempt of this launch printed Lightning's banners already
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **strategy_and_precision(cfg),
-                                      **quiet)
-    if not inherited_group:  # torchrun, srun: the group now, so that the ranks agree on where to continue
-        init_default_group(trainer.strategy)
-    restarted = restart_checkpoint(cfg, ckpt_path, _run_dir(), _sweep(), ids, _overrides())  # says so if it changes
-    if ckpt_path is not None and restarted == ckpt_path:
-        log.info("resuming from %s", ckpt_path)
-    ckpt_path = restarted
+    with held_logs() as held:  # Lightning's start-up lines wait for the decision: a continued launch printed them
+        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger,
+                                          **strategy_and_precision(cfg))
+        if not inherited_group:  # torchrun, srun: the group now, so that the ranks agree on where to start
+            init_default_group(trainer.strategy)
+    decision = decide_start(cfg, ckpt_path, _run_dir(), _sweep(), _overrides())  # afresh, resume=, or continue
+    if decision.kind == CONTINUE:
+        quiet_restart(trainer)
+    release(held, below=logging.WARNING if decision.kind == CONTINUE else None)
+    log.info("%s", decision.reason)  # rank 0 (the other ranks' project logs are off): once per run
+    ckpt_path = decision.checkpoint
     with stop_reported(cfg, trainer, ckpt_path, _sweep()):  # SIGTERM, SIGINT: one line naming the checkpoint
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     has_validation = getattr(datamodule, "has_validation", None)
@@ -175,16 +178,17 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     return metrics
 
 
-def quiet_restart() -> dict[str, Any]:
-    """A restarted attempt prints what is new only: Lightning's start-up lines (accelerators, precision, the
-    process group, the model summary) were printed by the launch's first attempt and have not changed. Returns
-    the Trainer arguments that say so."""
+def quiet_restart(trainer: pl.Trainer) -> None:
+    """A continued launch prints what is new only: Lightning's start-up lines (accelerators, precision, the
+    process group, the model summary) were printed by the launch's first attempt and have not changed, and its
+    checkpoint directory is this launch's own (Lightning warns that it is not empty)."""
     for name in ("lightning.pytorch", "lightning.fabric", "dalle_lightning"):  # "precision=auto: ..." too
         logger = logging.getLogger(name)
         logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
     if process_rank() == 0:
-        log.setLevel(logging.INFO)  # this module's lines stay: where the run continues from
-    return {"enable_model_summary": False}
+        log.setLevel(logging.INFO)  # this module's lines stay
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 def release_process_group() -> None:

@@ -6,7 +6,8 @@ also talks over every rank outside the exchange: ``ModelCheckpoint`` agrees on w
 loops broadcast and wait at barriers. When the link goes down while a sync is on the wire (local steps with
 ``sync_delay``), the first collective to notice is often one of these, and it surfaced as gloo's bare
 ``Application timeout caused pair closure``. :class:`OneLineCollectiveFailures` wraps them: same message shape,
-naming the collective.
+naming the collective. Only a lost peer (``peer_loss.lost_peer``: by the error's type) becomes that line, a
+:class:`~dalle_lightning_plugins.peer_loss.PeerLost`; any other error is a bug and passes through as it was.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from dalle_lightning_plugins.exchange import ExchangeError
+from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
 
 
 class OneLineCollectiveFailures:
@@ -33,10 +35,10 @@ class OneLineCollectiveFailures:
         try:
             yield
         except (RuntimeError, dist.DistError) as error:
-            if str(error).startswith("node "):  # already one of ours
-                raise
+            if isinstance(error, PeerLost) or not lost_peer(error):
+                raise  # already one of ours, or a bug (which keeps its type and traceback)
             failed = ExchangeError(what, error)
-            raise RuntimeError(self.inter_node.failure(failed, time.perf_counter() - start)) from error
+            raise PeerLost(self.inter_node.failure(failed, time.perf_counter() - start)) from error
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -3,16 +3,15 @@
 ``torchrun --max-restarts=N`` (with a c10d rendezvous) restarts every node's workers when one fails or a node
 comes back; a requeued SLURM job runs again. The restarted processes are new: this module gives them
 
-- :func:`launch_ids`: names of this launch that its restarts keep and a new launch does not share (each torchrun
-  agent's own log directory, the rendezvous id the user chose, the SLURM job), so a restarted worker can tell
-  the checkpoints of its own launch from those of earlier runs;
+- which launch it belongs to and whether the launcher restarted it: :mod:`dalle_lightning_plugins.launch_identity`;
 - :func:`init_default_group`: the default process group exactly as Lightning makes it (backend, ranks,
   timeout), on a store of this round only. torchrun's agents share one store over all rounds of a launch, and
   the keys a process group writes there carry no round: a restarted rank can read the address a rank of the
   round before published and fail to connect ("Gloo connectFullMesh failed ... Connection refused"), which
   costs one restart each time (pytorch/pytorch#135712; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents'
   environment is torch's own way out, which this makes unnecessary);
-- :func:`agree_on_checkpoint`: one checkpoint every rank holds complete, the same on every rank.
+- :func:`agree_on_checkpoint`: one checkpoint every rank holds complete, the same on every rank (named by its path
+  relative to the work directory, so nodes that mount the shared file system at different paths agree).
 
 Plain ``torch.distributed`` and Lightning's cluster environments only: any LightningModule's run can use it.
 """
@@ -26,7 +25,6 @@ import socket
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -36,38 +34,6 @@ ROUND_KEY = "dalle_lightning_plugins/round_store"  # "<port>:<token>" of this ro
 TOKEN_KEY = "dalle_lightning_plugins/token"  # the same token, inside this round's store
 PROBE_TIMEOUT = timedelta(seconds=2)  # a published store that does not answer within this is an earlier round's
 _joined: set[str] = set()  # tokens of the round stores this process has joined
-
-
-def launch_ids(environ: dict[str, str] | None = None) -> list[str]:
-    """Names of this launch that stay the same over its restarts; empty when no restarting launcher started it.
-
-    - ``torchelastic:<host>:<dir>``: the directory a torchrun agent made for its workers' logs and error files
-      when it started (``TORCHELASTIC_ERROR_FILE`` is ``<dir>/attempt_<k>/<local rank>/error.json``); one per
-      node, kept by every restart of that agent.
-    - ``rdzv:<id>``: ``torchrun --rdzv-id``, when the user chose one (its default is ``none``); a new agent on a
-      replaced node has a new directory but the same id.
-    - ``slurm:<job>``: the SLURM job (with its array task), which a requeued job keeps.
-    """
-    env = os.environ if environ is None else environ
-    ids = []
-    error_file = env.get("TORCHELASTIC_ERROR_FILE")
-    if error_file and len(Path(error_file).parents) > 3:
-        ids.append(f"torchelastic:{socket.gethostname()}:{Path(error_file).parents[2]}")
-    rdzv = env.get("TORCHELASTIC_RUN_ID", "")
-    if rdzv and rdzv != "none":
-        ids.append(f"rdzv:{rdzv}")
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        ids.append(f"slurm:{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}")
-    elif env.get("SLURM_JOB_ID"):
-        ids.append(f"slurm:{env['SLURM_JOB_ID']}")
-    return ids
-
-
-def restart_count(environ: dict[str, str] | None = None) -> int:
-    """How often the launcher restarted this node's workers (torchrun) or requeued the job (SLURM). torchrun
-    counts per node, and only failures: a node whose workers were restarted because another came back reads 0."""
-    env = os.environ if environ is None else environ
-    return max(int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), int(env.get("SLURM_RESTART_COUNT", "0") or 0))
 
 
 def round_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
@@ -153,8 +119,10 @@ def all_gather_objects(value: Any) -> list[Any]:
 
 def agree_on_checkpoint(complete: Sequence[str]) -> str | None:
     """Collective: the newest checkpoint that every rank holds complete. ``complete`` is this rank's complete
-    checkpoints, newest first; a file system that shows one rank a checkpoint another does not yet see (or a
-    rank that lost it) makes all take the newest they share. None when they share none."""
+    checkpoints, newest first, each named as every rank names it (its path relative to the work directory, not an
+    absolute path, which differs between nodes that mount the file system at different places); a file system
+    that shows one rank a checkpoint another does not yet see (or a rank that lost it) makes all take the newest
+    they share, in rank 0's order. None when they share none."""
     lists = all_gather_objects(list(complete))
     common = set(lists[0]).intersection(*map(set, lists[1:]))
     return next((path for path in lists[0] if path in common), None)

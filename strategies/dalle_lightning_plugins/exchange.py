@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dalle_lightning_plugins.mesh import local_shard
+from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
 from dalle_lightning_plugins.powersgd import FP32_BYTES, LowRank, PowerSGD
 from dalle_lightning_plugins.step_flags import RowSparse, agree_step_flags, finite_per_tensor
 
@@ -63,8 +64,9 @@ ROOT_BUCKET = "<root>"  # parameters outside every resblock but the embeddings: 
 ROWS_BUCKET = "<embedding rows>"  # embeddings sent by used rows: after the flags, which carry the rows
 
 
-class ExchangeError(RuntimeError):
-    """A collective of the exchange failed (a peer or the link is down); ``waiting_on`` names it."""
+class ExchangeError(PeerLost):
+    """A collective of the exchange failed because a peer or the link is down (``peer_loss.lost_peer``; any other
+    error, a bug, passes through unwrapped); ``waiting_on`` names it."""
 
     def __init__(self, waiting_on: str, error: BaseException) -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -212,6 +214,8 @@ class OverlappedExchange:
                     with self._side_stream():
                         self._issue_ready()
                 except (RuntimeError, dist.DistError) as error:
+                    if not lost_peer(error):
+                        raise  # a bug keeps its own type and traceback
                     raise ExchangeError(self.waiting_on or f"the exchange of bucket {bucket.name}", error) from error
         return ready
 
@@ -249,6 +253,8 @@ class OverlappedExchange:
         except ExchangeError:
             raise
         except (RuntimeError, dist.DistError) as error:
+            if not lost_peer(error):
+                raise
             raise ExchangeError(self.waiting_on or "the end of the exchange", error) from error
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ from torch import nn
 from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange, average_whole
 from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.path_choice import OverlapChoice
+from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
 from dalle_lightning_plugins.powersgd import PowerSGD, rank_for_compression
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision
 from dalle_lightning_plugins.step_flags import agree_step_flags
@@ -167,7 +168,9 @@ class InterNodeReduction:
         try:
             ok = self._reduce(module, device)
         except (RuntimeError, dist.DistError) as error:
-            raise RuntimeError(self.failure(error, time.perf_counter() - min(since or start, start))) from error
+            if not lost_peer(error):
+                raise  # a bug (an out-of-memory in the compression, ...) keeps its type and traceback
+            raise PeerLost(self.failure(error, time.perf_counter() - min(since or start, start))) from error
         if self.powersgd.stats.steps + self.powersgd.stats.skipped_steps > 1:  # the first allocates its buffers
             self._time[0] += time.perf_counter() - start
             self._time[1] += 1

@@ -55,6 +55,7 @@ from dalle_lightning_plugins import fsdp_wiring
 from dalle_lightning_plugins.exchange import ExchangeError, average_whole
 from dalle_lightning_plugins.mesh import local_shard
 from dalle_lightning_plugins.outer_step import OuterStep
+from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
 from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
 from dalle_lightning_plugins.step_flags import agree_step_flags, finite_per_tensor
 
@@ -220,8 +221,10 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
                 fsdp_wiring.broadcast_buffers(self.lightning_module)  # one model again: rank 0's buffers everywhere
             return landed
         except (RuntimeError, dist.DistError) as error:
+            if not lost_peer(error):
+                raise  # a bug keeps its type and traceback
             failed = ExchangeError("the outer step's exchange (the pseudo-gradient)", error)
-            raise RuntimeError(self.inter_node.failure(failed, time.perf_counter() - start)) from error
+            raise PeerLost(self.inter_node.failure(failed, time.perf_counter() - start)) from error
 
     def _log(self) -> None:
         module = self.lightning_module
