@@ -7,7 +7,25 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 OUT ?= outputs/demo
 
-.PHONY: demo test test-fast install install-test bench dist clean
+# The oldest torch both distributions support (strategies/pyproject.toml says why 2.9 is the floor), in a second
+# environment: `make test-oldest` runs the plugin and model tests there (OLDEST_TESTS), the rest installed as for
+# the newest (pip keeps this torch: it is inside both distributions' ranges). Its wheel and CUDA 12.8 libraries
+# come from PyPI (7.4 GB with the rest installed). OLDEST_TORCH_SPEC="torch==2.11.0 torchvision==0.26.0" tests the
+# release the GPU machines this project borrows carry.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_TORCH_SPEC ?= torch==2.9.1 torchvision==0.24.1
+# Every private name on this torch (test_lightning_internals), each torch_compat shim against torch's own API
+# (test_torch_compat), the strategy against ddp and by hand where FSDP2's internals differ between releases
+# (test_strategy_exact, test_strategy_like_ddp: whole weights after fit; test_dtensor_collectives), and the model,
+# compile and precision-plugin tests that are fast. test_dtensor_collectives first: it forks the pytest process,
+# which fails once autograd has run in it.
+OLDEST_TESTS ?= tests/test_dtensor_collectives.py tests/test_lightning_internals.py tests/test_torch_compat.py \
+	tests/test_strategy_exact.py tests/test_strategy_like_ddp.py tests/test_resblock_precision.py \
+	tests/test_scale_rules.py tests/test_prior.py tests/test_sparse_attention.py tests/test_dvae.py \
+	tests/test_compiled_models.py tests/test_flex_recompiles.py tests/test_boundary_kernels.py
+
+.PHONY: demo test test-fast test-oldest ci install install-test install-oldest bench dist clean
 
 # Two distributions, both installed from the checkout: the plugins alone (strategies/pyproject.toml, import name
 # dalle_lightning_plugins) and dalle-lightning (pyproject.toml), which depends on the first at the same version.
@@ -22,8 +40,17 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ./strategies -e '.[test]'
 	touch $@
 
+# After the newest environment's install (never beside it: both editable installs write the same egg-info).
+$(OLDEST_VENV)/.installed-test: $(VENV)/.installed-test
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet $(OLDEST_TORCH_SPEC)
+	$(OLDEST_PY) -m pip install --quiet -e ./strategies -e '.[test]'
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+install-oldest: $(OLDEST_VENV)/.installed-test
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dalle_lightning.demo out_dir=$(OUT)
@@ -32,6 +59,21 @@ demo: $(VENV)/.installed
 # The 15 slowest tests are listed at the end: the suite must stay well under 15 minutes on 2 cores.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+
+# One process, its own temporary folder and no cache, so it can run beside `make test` (`make ci` does).
+test-oldest: $(OLDEST_VENV)/.installed-test
+	$(OLDEST_PY) -c "import torch, lightning; print('oldest environment: torch', torch.__version__, 'lightning', lightning.__version__)"
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider --basetemp=$$(mktemp -d) --durations=5 $(OLDEST_TESTS)
+
+# CI (.ci/run): the whole suite on the newest torch and, beside it at a lower priority, the plugin and model tests
+# on the oldest, whose install and tests then mostly fill the time the suite's workers wait (on processes,
+# timeouts, the network namespaces). Its output follows the suite's; either failing fails CI.
+ci: $(VENV)/.installed-test
+	@log=$$(mktemp); start=$$(date +%s); \
+	nice -n 10 $(MAKE) --no-print-directory test-oldest >"$$log" 2>&1 & oldest=$$!; \
+	$(MAKE) --no-print-directory test; suite=$$?; echo "suite on the newest torch: $$(( $$(date +%s) - start )) s"; \
+	wait $$oldest; rc=$$?; echo "--- plugin and model tests on the oldest torch (done at $$(( $$(date +%s) - start )) s):"; \
+	cat "$$log"; rm -f "$$log"; exit $$(( suite || rc ))
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
@@ -55,3 +97,28 @@ dist: $(VENV)/.installed-test
 
 clean:
 	rm -rf outputs multirun .pytest_cache dist
+
+# The GPU check on a borrowed GPU machine that has torch, Lightning, torchmetrics, tokenizers, timm and pytest but no
+# package index (docs/results.md, "The GPU check"). Here: `make gpu-wheels` builds the wheels of the rest into
+# $(WHEELS) (git-ignored). There: `make gpu-check WHEELS=.whl` installs them into $(GPU_SITE) without an index and
+# runs every step of benchmarks/_gpu_check.py from the source tree (at most 9 minutes; summary in
+# outputs/gpu_check/summary.json, or GPU_CHECK_ARGS="--out-dir DIR"; --smoke runs it at tiny sizes on a CPU).
+WHEELS ?= .whl
+GPU_SITE ?= /tmp/site
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 braceexpand==0.1.7 \
+	webdataset==1.0.2 open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.9.4 vector-quantize-pytorch==1.32.0 einx==0.4.3 \
+	frozendict==2.5.1 torch-einops-utils==0.2.0 loguru==0.7.3
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels:
+	$(PYTHON) -m pip wheel --no-deps --quiet --wheel-dir $(WHEELS) $(GPU_WHEELS)
+
+gpu-check:
+	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \
+	    $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) \
+	        $(WHEELS)/*.whl; \
+	else echo "== no wheels in $(WHEELS): the check runs with this python's own packages"; fi
+	PYTHONPATH=$(GPU_SITE):.:strategies:callbacks $(GPU_PYTHON) benchmarks/gpu.py --all $(GPU_CHECK_ARGS)

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dalle_lightning.models.sparse_attention import AttentionLayout, dense_attention, sparse_attention
+from dalle_lightning.models.layout import AttentionLayout
+from dalle_lightning.models.sparse_attention import dense_attention, sparse_attention
 from dalle_lightning_plugins.dtypes import resolve_dtype
 
 DTYPES = ("fp32", "bf16")  # the input dtypes worth timing on CPU

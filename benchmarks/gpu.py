@@ -25,7 +25,13 @@ fp32 matrix products (the prior's heads, which the paper keeps in fp32) use TF32
 Usage: ``python benchmarks/gpu.py [--rows NAME ...] [--steps 10] [--budget-s 280]``; ``--smoke`` runs every row
 kind at a tiny shape on the CPU in seconds (eager; FlexAttention there is forward-only, so ``auto`` picks the
 blocked kernel). ``--profile`` adds, per pair, the device-time ops where the plugin's step spends more than
-Lightning's.
+Lightning's. ``--rows`` measures the rows named, in the order named; ``--first`` measures the rows named first, then
+the others (a name that is not a row is ignored there). A row that raises prints its error as its line
+(the traceback goes to stderr) and the rows after it still run; the exit status is then 1.
+
+``python benchmarks/gpu.py --all [--smoke] [--out-dir DIR]`` is the whole GPU check (``benchmarks/_gpu_check.py``):
+the CUDA tests, these training rows, the sampling rows and the demo, each in its own subprocess and time budget,
+into one JSON summary with every target of the GPU issues.
 """
 
 from __future__ import annotations
@@ -37,18 +43,26 @@ import logging
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-from _sampling_rows import rows as sampling_rows
-from plugins_overhead import lightning_step
-from prior_throughput import model_flops_per_token
+if __name__ == "__main__" and "--all" in sys.argv[1:]:
+    # The whole GPU check, dispatched before the imports below: it imports only the standard library, so that a
+    # project import which fails on the GPU machine fails one of its steps, not the check.
+    from _gpu_check import main as gpu_check
 
-from dalle_lightning.models.dvae import DiscreteVAE
-from dalle_lightning.models.prior import DallePrior
-from dalle_lightning_plugins import ResblockScalingPrecision
+    sys.exit(gpu_check([a for a in sys.argv[1:] if a != "--all"]))
+
+import torch  # noqa: E402
+from _sampling_rows import rows as sampling_rows  # noqa: E402
+from plugins_overhead import lightning_step  # noqa: E402
+from prior_throughput import model_flops_per_token  # noqa: E402
+
+from dalle_lightning.models.dvae import DiscreteVAE  # noqa: E402
+from dalle_lightning.models.prior import DallePrior  # noqa: E402
+from dalle_lightning_plugins import ResblockScalingPrecision  # noqa: E402
 
 PAPER_STREAM = dict(text_vocab_size=16384, text_len=256, image_vocab_size=8192, image_grid=32, d_head=64, conv_kernel=11)
 PRIORS = {"353M": (dict(PAPER_STREAM, n_layer=24, n_head=16), 16), "1.3B": (dict(PAPER_STREAM, n_layer=24, n_head=32), 8),
@@ -232,9 +246,17 @@ def graph_counts() -> dict[str, int]:
     return {name: len(_debug_get_cache_entry_list(code)) for name, code in codes.items()}
 
 
+def failed_line(name: str, error: BaseException) -> dict:
+    """A row that raised: its line names the error (the traceback goes to stderr), and the run goes on."""
+    traceback.print_exc()
+    text = " ".join(str(error).split())[:300]
+    return {"row": name, "error": f"{type(error).__name__}: {text}" if text else type(error).__name__}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=None, help="row names (default: all; see --list)")
+    parser.add_argument("--first", nargs="+", default=[], help="rows to measure first, then the others")
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -249,7 +271,10 @@ def main() -> None:
     if args.list:
         print("\n".join(r.name for r in every))
         return
-    chosen = [r for r in every if (args.rows is None or r.name in args.rows) and not args.sampling_only]
+    by_name = {r.name: r for r in every}
+    chosen = [] if args.sampling_only else every if args.rows is None else [by_name[n] for n in args.rows if n in by_name]
+    first = [n for n in args.first if n in {r.name for r in chosen}]
+    chosen = [by_name[n] for n in first] + [r for r in chosen if r.name not in first]
     unknown = set(args.rows or ()) - {r.name for r in every}
     if unknown:
         raise SystemExit(f"error: unknown rows {sorted(unknown)}; expected names from --list")
@@ -269,7 +294,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "torch": torch.__version__, "bf16_peak_tflop_s": round(peak / 1e12, 1),
                       "fp32_matmul_precision": args.fp32_matmul, "date": time.strftime("%Y-%m-%d")}), flush=True)
-    skipped = []
+    skipped, failed = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for row in chosen:
@@ -281,17 +306,30 @@ def main() -> None:
             except torch.OutOfMemoryError:
                 print(json.dumps({"row": row.name, "error": "out of memory"}), flush=True)
                 torch.cuda.empty_cache()
+            except Exception as error:  # noqa: BLE001 - one row's failure is its line; the others still run
+                failed.append(row.name)
+                print(json.dumps(failed_line(row.name, error)), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if not args.no_sampling:
             if time.perf_counter() - began > args.budget_s:
                 skipped.append("sampling")
             else:
-                for line in sampling_rows(device, args.smoke):
-                    print(json.dumps(line), flush=True)
+                try:
+                    for line in sampling_rows(device, args.smoke):
+                        print(json.dumps(line), flush=True)
+                except Exception as error:  # noqa: BLE001
+                    failed.append("sampling")
+                    print(json.dumps(failed_line("sampling", error)), flush=True)
     fallbacks = [str(w.message).splitlines()[0][:200] for w in caught if "without torch.compile" in str(w.message)]
-    print(json.dumps({"graphs": graph_counts(), "recompile_limit_messages": seen.messages,
-                      "unfused_fallback_warnings": fallbacks, "skipped_rows": skipped,
+    try:
+        graphs: dict = graph_counts()
+    except Exception as error:  # noqa: BLE001 - a private dynamo helper; its absence must not hide the rows' figures
+        graphs = {"error": f"{type(error).__name__}: {error}"[:300]}
+    print(json.dumps({"graphs": graphs, "recompile_limit_messages": seen.messages,
+                      "unfused_fallback_warnings": fallbacks, "skipped_rows": skipped, "failed_rows": failed,
                       "wall_s": round(time.perf_counter() - began, 1)}), flush=True)
-    if seen.messages or fallbacks:
+    if seen.messages or fallbacks or failed:
         sys.exit(1)
 
 

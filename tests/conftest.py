@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+
+# Strict fast paths for the whole suite, and for the processes its tests start (they inherit the environment): a
+# compile, capture or fused kernel that fails, or a recompile limit that is hit, raises instead of falling back, so
+# no regression hides behind a fallback. Tests of the user's path turn it off with ``strict_fast_paths(False)``.
+os.environ.setdefault("DALLE_LIGHTNING_STRICT_FAST_PATHS", "1")  # dalle_lightning_plugins.fast_paths.STRICT_ENV
 
 
 def run_app(main: Callable[[], Any], *overrides: str) -> None:

@@ -57,6 +57,7 @@ generate | cond_scale=abc                   | cond_scale='abc'; expected a numbe
 generate | seed=abc                         | seed='abc'; expected an integer
 generate | rerank=best                      | rerank='best'; expected one of clip|prior|both
 generate | rerank=both                      | rerank='both'; expected clip or prior when clip=null
+generate | dtype=float13                    | dtype='float13'; expected one of auto|fp32|bf16|fp16
 generate | prior={work}/dvae.pt             | prior='{work}/dvae.pt' is a dvae model; expected a prior model
 generate | prior={junk}                     | is not a dalle-lightning model file
 generate | out_dir={file}/out               | is a file

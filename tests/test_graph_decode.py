@@ -73,10 +73,25 @@ def test_graphs_are_chosen_where_they_apply() -> None:
         use_graphs("sometimes", cpu)
 
 
+def shipped_prior(device: str) -> DallePrior:
+    """The prior as it ships and trains: ``attn_impl="auto"`` (a FlexAttention prefill on CUDA), ``compile="auto"``
+    (each branch's body compiled on CUDA, so inside the capture) and the precision plugin's branch hooks (bf16, as
+    ``make demo`` trains)."""
+    from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+
+    torch.manual_seed(0)
+    model = DallePrior(text_vocab_size=50, text_len=6, image_vocab_size=40, image_grid=4, n_layer=4, n_head=2,
+                       d_head=16, row_window=2, attn_impl="auto", compile="auto").to(device).eval()
+    ResblockScalingPrecision(dtype="bf16").convert_module(model)
+    return model
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("cond_scale", [1.0, 3.0])
 def test_the_replayed_graph_draws_the_eager_tokens_on_cuda(monkeypatch: pytest.MonkeyPatch, cond_scale: float) -> None:
-    model = prior("cuda")
+    """The shipped settings, sampled as ``PriorModule.fid_generate`` samples under the plugin (bf16 autocast: one
+    cast copy per call, run without autocast), eager against the captured step."""
+    model = shipped_prior("cuda")
     text = torch.randint(1, 50, (8, 6), device="cuda")
     made: list[GraphDecoder] = []
     real = graph_decode.decode_step
@@ -92,3 +107,30 @@ def test_the_replayed_graph_draws_the_eager_tokens_on_cuda(monkeypatch: pytest.M
                                                 generator=torch.Generator("cuda").manual_seed(3)) for g in (False, True)}
     assert torch.equal(runs[True], runs[False])
     assert isinstance(made[1], GraphDecoder) and made[1].captures == 1  # one capture, replayed for every token
+    assert made[1].model is not model and made[1].model.layers[0].mlp.fc.weight.dtype == torch.bfloat16
+
+
+def test_the_shipped_prior_draws_the_eager_tokens_through_the_static_step_on_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA test's model and sampling on the CPU, where the shipped settings resolve to the blocked kernel and
+    eager regions: the bf16 copy keeps the plugin's branch hooks, and the static step (the graph's plumbing,
+    uncaptured) draws the eager loop's tokens."""
+    model = shipped_prior("cpu")
+    text = torch.randint(1, 50, (4, 6))
+    made: list[StaticDecoder] = []
+
+    def static(model: DallePrior, cache: KVCache, token: torch.Tensor, graphs: bool) -> StaticDecoder:
+        made.append(StaticDecoder(model, cache, token))
+        return made[-1]
+
+    runs = {}
+    for graphs in (False, True):
+        if graphs:
+            monkeypatch.setattr(sampling, "decode_step", static)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs[graphs] = sampling.sample_image_tokens(model, text, cond_scale=3.0, top_k=8, graphs=False,
+                                                        generator=torch.Generator().manual_seed(2))
+    assert torch.equal(runs[True], runs[False])
+    copy = made[0].model
+    assert copy is not model and copy.layers[0].mlp.fc.weight.dtype == torch.bfloat16
+    assert copy.layers[0].mlp._forward_pre_hooks and copy.layers[0].attn._forward_hooks  # the plugin's hooks

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,7 @@ def private_attributes(paths: list[Path]) -> list[tuple[str, str]]:
     for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
         aliases: dict[str, str] = {}
+        imported: dict[str, tuple[str, str]] = {}  # ``from torch.distributed.tensor import DTensor``: a class
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for a in node.names:
@@ -70,6 +72,7 @@ def private_attributes(paths: list[Path]) -> list[tuple[str, str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for a in node.names:  # ``from torch import distributed as dist``: a module reached by name
                     aliases.setdefault(a.asname or a.name, f"{node.module}.{a.name}")
+                    imported.setdefault(a.asname or a.name, (node.module, a.name))
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute):
                 continue
@@ -81,10 +84,15 @@ def private_attributes(paths: list[Path]) -> list[tuple[str, str]]:
             if not isinstance(cur, ast.Name) or cur.id not in aliases or not any(_private(p) for p in chain):
                 continue
             module = aliases[cur.id]
-            if module.split(".")[0] in OWN_PACKAGES or not _is_module(module):
+            if module.split(".")[0] in OWN_PACKAGES:
                 continue
-            last = max(i for i, p in enumerate(chain) if _private(p))
-            found.add((module, ".".join(chain[: last + 1])))
+            if not _is_module(module):  # a class or function imported by name: ``DTensor._op_dispatcher``
+                if cur.id not in imported:
+                    continue
+                module, owner = imported[cur.id]
+                chain.insert(0, owner)
+            # the whole chain: what follows a private part (``torch._dynamo.config.recompile_limit``) is private too
+            found.add((module, ".".join(chain)))
     # a longer chain is checked part by part anyway: keep the longest of each
     return sorted(x for x in found if not any(o[0] == x[0] and o[1].startswith(x[1] + ".") for o in found))
 
@@ -188,18 +196,83 @@ def test_private_name_exists(owner: str, name: str) -> None:
         value = getattr(value, part)
 
 
+# FSDP2's instance attributes the strategy reads or sets (fsdp_wiring.to_plain/from_plain, full_bytes; the
+# ``reduce_scatter_unused_params`` fallback of dalle_lightning_plugins.torch_compat), checked on a real unit, on
+# every tested torch. Dotted names are checked part by part. The parameter groups' own attribute moved in 2.13
+# (``_fsdp_param_group`` -> ``_fsdp_param_groups``): torch_compat.fsdp_param_groups reads either, and
+# test_fsdp2_parameter_groups_are_found checks that the one of the installed release exists.
+FSDP2_INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
+    "FSDPState": ("_modules", "_pre_forward_hook_handle", "_post_forward_hook_handle", "_pre_forward",
+                  "_post_forward", "_register_pre_backward_hook"),
+    "FSDPParamGroup": ("fsdp_params", "post_backward", "reduce_grads", "_module_to_pre_save_state_dict_hook_handle",
+                       "_module_to_pre_load_state_dict_hook_handle", "_register_state_dict_hooks"),
+    "FSDPParam": ("_module_info.module", "_module_info.param_name", "mesh_info.shard_mesh_size",
+                  "mesh_info.shard_mesh_rank", "sharded_param._local_tensor", "_setattr_on_modules",
+                  "_post_load_hook_handle", "reset_sharded_param", "unsharded_accumulated_grad", "_unsharded_param",
+                  "unsharded_param"),
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_unit() -> Iterator[dict[str, object]]:
+    """One real FSDP2 unit after a forward and a backward (a process group of one: gloo on an in-process store),
+    with its state, its parameter group and its first parameter's ``FSDPParam``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dalle_lightning_plugins.torch_compat import fsdp_param_groups
+
+    owned = not dist.is_initialized()  # a default group another test left is used if it is a group of one
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1, "another test left a default process group of several ranks"
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        net(torch.randn(3, 2)).sum().backward()
+        state = net._get_fsdp_state()  # type: ignore[operator]
+        groups = fsdp_param_groups(state)
+        yield {"FSDPState": state, "FSDPParamGroup": groups[0], "FSDPParam": groups[0].fsdp_params[0],
+               "groups": groups}
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("owner", "name"), [(o, n) for o, names in FSDP2_INSTANCE_NAMES.items() for n in names],
+                         ids=lambda v: str(v))
+def test_fsdp2_instance_name_exists(fsdp_unit: dict[str, object], owner: str, name: str) -> None:
+    value = fsdp_unit[owner]
+    for part in name.split("."):
+        assert hasattr(value, part), f"FSDP2's {owner} has no {name} in torch {torch.__version__}; the strategy uses it"
+        value = getattr(value, part)
+
+
+def test_fsdp2_parameter_groups_are_found(fsdp_unit: dict[str, object]) -> None:
+    """The attribute torch_compat.fsdp_param_groups reads on this release exists, and gives the unit's one group;
+    where torch has ``set_reduce_scatter_unused_params``, the group attribute it sets exists too."""
+    from dalle_lightning_plugins.torch_compat import HAS_REDUCE_SCATTER_UNUSED_PARAMS, TORCH_VERSION
+
+    state = fsdp_unit["FSDPState"]
+    assert hasattr(state, "_fsdp_param_groups" if TORCH_VERSION >= (2, 13) else "_fsdp_param_group")
+    assert len(fsdp_unit["groups"]) == 1  # type: ignore[arg-type]
+    assert hasattr(fsdp_unit["FSDPParamGroup"], "reduce_scatter_unused_params") == HAS_REDUCE_SCATTER_UNUSED_PARAMS
+
+
 def test_the_source_scan_finds_private_names(tmp_path: Path) -> None:
     """Guards the scan itself: if it missed names, the parametrized tests above would pass vacuously."""
     source = tmp_path / "plugin.py"
     source.write_text(
         "import torch\nimport torch.distributed as dist\nimport webdataset as wds\n"
         "from lightning.fabric.utilities.init import _private, public\nfrom hydra._internal.utils import parser\n"
-        "from dalle_lightning_plugins.mesh import _own\n"
+        "from dalle_lightning_plugins.mesh import _own\nfrom torch.distributed.tensor import DTensor\n"
         "torch._foreach_norm(x)\ndist.ProcessGroupGloo._Options()._timeout = 1\nwds.filters._shuffle(s)\n"
-        "self._mine = torch.zeros(1)\n"
+        "self._mine = torch.zeros(1)\nhandlers = DTensor._op_dispatcher._custom_op_handlers\n"
+        "torch._dynamo.config.recompile_limit = 8\n"
     )
     assert private_imports([source]) == [("hydra._internal.utils", "parser"),
                                          ("lightning.fabric.utilities.init", "_private")]
-    assert private_attributes([source]) == [("torch", "_foreach_norm"),
+    assert private_attributes([source]) == [("torch", "_dynamo.config.recompile_limit"), ("torch", "_foreach_norm"),
                                             ("torch.distributed", "ProcessGroupGloo._Options"),
+                                            ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers"),
                                             ("webdataset", "filters._shuffle")]

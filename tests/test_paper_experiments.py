@@ -76,7 +76,7 @@ def test_paper_prior_experiment(tmp_path: Path) -> None:
     bars = {type(c).__name__ for c in callbacks if isinstance(c, ProgressBar)}
     assert bars in ({"IntervalRichProgressBar"}, {"IntervalTQDMProgressBar"})  # the kind Lightning would pick
     assert {type(c).__name__ for c in callbacks} - bars == {"LearningRateMonitor", "NonFiniteGuard",
-                                                            "SkippedSampleMetrics", "EMA"}
+                                                            "SkippedSampleMetrics", "EMA", "CompiledGraphs"}
 
     # The paper's compression at d_model 3968: 1 - 5 r / (8 d) = 86% for r = 896 in all.
     from dalle_lightning_plugins.compression_report import compression_report

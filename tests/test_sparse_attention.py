@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dalle_lightning.models.masks import default_conv_kernel, full_mask, image_mask, layer_pattern
-from dalle_lightning.models.sparse_attention import (
-    AttentionLayout,
-    band_tables,
-    decode_attention,
-    dense_attention,
-    flex_attention,
-    flex_block_mask,
-    flex_mask_mod,
-    sparse_attention,
-)
+from dalle_lightning.models.flex import flex_attention
+from dalle_lightning.models.layout import AttentionLayout, default_conv_kernel, layer_pattern
+from dalle_lightning.models.sparse_attention import band_tables, decode_attention, dense_attention, sparse_attention
+
+
+def image_mask(kind: str, height: int, width: int, **sizes: int) -> torch.Tensor:
+    """The image -> image block of a layout (it does not depend on the text region's length)."""
+    return AttentionLayout(kind, 1, height, width, **sizes).image_mask()
+
+
+def full_mask(kind: str, n_text: int, height: int, width: int) -> torch.Tensor:
+    return AttentionLayout(kind, n_text, height, width).full_mask()
 
 
 def keys(mask: torch.Tensor, query: int) -> set[int]:
@@ -144,16 +145,6 @@ def test_decode_attention_matches_dense_rows(kind):
     for n in (0, 4, 5, 13, 24):
         got = decode_attention(q[..., t + n : t + n + 1, :], torch.stack([k, v]), layout, n)
         torch.testing.assert_close(got, want[..., t + n : t + n + 1, :], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("kind", ["row", "column", "conv"])
-def test_flex_mask_mod_equals_dense_mask(kind):
-    layout = AttentionLayout(kind, 7, 4, 6, 9, 5)
-    length = 7 + 24
-    idx = torch.arange(length)
-    got = flex_mask_mod(layout)(torch.tensor(0), torch.tensor(0), idx.view(-1, 1), idx.view(1, -1))
-    assert got.equal(layout.full_mask())
-    assert flex_block_mask(layout, length, torch.device("cpu")).shape[-2:] == (length, length)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

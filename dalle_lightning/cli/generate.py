@@ -7,6 +7,10 @@ With ``prime_image=PATH prime_rows=K`` every image starts from the top K token r
 completes the rest under each prompt (the paper's image-to-image translation, see ``dalle_lightning.generation.priming``).
 ``out_dir`` is new, empty, or an earlier run's output: the earlier run's files are removed before the new ones are
 written (and listed in the folder's marker), never anything else (``outputs.clear_samples``).
+
+``dtype`` is the prior's compute dtype while sampling: its weights are cast once into a copy in that dtype, and
+every step reads that copy without autocast, as gpt-fast samples (``dalle_lightning.generation.cast``). ``auto`` is
+bf16 on a GPU that computes it natively, fp32 elsewhere (``hardware.auto_sampling_dtype``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from omegaconf import DictConfig
 
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
+from dalle_lightning.hardware import AUTO, auto_sampling_dtype, resolve_device
 from dalle_lightning.outputs import claim, clear_samples, write_marker
 
 if TYPE_CHECKING:
@@ -30,7 +35,8 @@ log = logging.getLogger("dalle_lightning.generation.generate")
 
 KEYS = {"paths", "prompts", "prompts_file", "prior", "dvae", "tokenizer", "clip", "num_candidates", "batch_size",
         "temperature", "top_k", "top_p", "cond_scale", "seed", "out_dir", "save_candidates", "device", "prime_image",
-        "prime_rows", "rerank", "verbose", "graphs"}
+        "prime_rows", "rerank", "verbose", "graphs", "dtype"}
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # the prior's compute dtype for sampling (generation/cast.py)
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -71,11 +77,16 @@ def run(cfg: DictConfig) -> Generation:
         raise ValueError(f"prime_rows={cfg.prime_rows} without prime_image; expected prime_image=PATH too")
     checks.integer(cfg, "num_candidates", minimum=1)
     checks.sampling(cfg)
+    checks.choice(cfg, "dtype", DTYPES)
     checks.boolean(cfg, "save_candidates")
     checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
     claim(out, "samples")  # a folder of other files fails before any model loads
-    gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=cfg.device)
+    device = resolve_device(cfg.device)
+    dtype = auto_sampling_dtype(device) if cfg.dtype == AUTO else cfg.dtype
+    if cfg.dtype == AUTO:
+        log.info("dtype=auto: %s on %s", dtype, device)
+    gen = Generator.from_files(cfg.prior, cfg.dvae, cfg.tokenizer, cfg.clip, device=device, dtype=dtype)
     primed = prime(cfg, gen, len(prompts))
     result = gen.generate(prompts, num_candidates=cfg.num_candidates, batch_size=cfg.batch_size,
                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, cond_scale=cfg.cond_scale,

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from dalle_lightning.hardware import resolve_device
 from dalle_lightning.artifacts import load_model
 from dalle_lightning.lineage import check_pipeline
+from dalle_lightning.generation.cast import check_dtype, sampling_copy, weights_dtype
 from dalle_lightning.generation.prior_score import prior_score
 from dalle_lightning.generation.rerank import Reranker
 from dalle_lightning.generation.sampling import sample_image_tokens
@@ -77,8 +78,13 @@ def check_prompts(prompts: list[str]) -> list[str]:
 
 
 class Generator:
+    """Prior, dVAE, tokenizer and reranker on one device. ``dtype`` (``bf16``, ``fp16``, ``fp32``; default: the
+    prior's weights as loaded) is the prior's compute dtype for sampling: its weights are cast once, into a copy
+    this generator keeps (:mod:`dalle_lightning.generation.cast`), and every call samples from it without autocast;
+    the prior's scores (``rerank=prior``) are computed with the prior as loaded."""
+
     def __init__(self, prior: nn.Module, dvae: nn.Module, tokenizer: CaptionTokenizer, reranker: Reranker | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None) -> None:
         self.device = torch.device(resolve_device(device) if isinstance(device, str) else device)  # "auto" too
         self.prior = prior.to(self.device).eval()
         self.dvae = dvae.to(self.device).eval()
@@ -92,16 +98,19 @@ class Generator:
         if self.prior.text_vocab_size != tokenizer.vocab_size:
             raise ValueError(f"prior text_vocab_size={self.prior.text_vocab_size} but tokenizer vocab_size="
                              f"{tokenizer.vocab_size}; expected the tokenizer the prior was trained with")
+        want = check_dtype(dtype)
+        self.sampler = self.prior if want in (None, weights_dtype(self.prior)) else sampling_copy(self.prior, want)
+        self.dtype = want or weights_dtype(self.prior)
 
     @classmethod
     def from_files(cls, prior: str | Path, dvae: str | Path, tokenizer: str | Path, clip: str | Path | None = None,
-                   device: str = "cpu") -> "Generator":
+                   device: str = "cpu", dtype: torch.dtype | str | None = None) -> "Generator":
         """Load saved artifacts, after checking that they belong together (``lineage.check_pipeline``)."""
         check_pipeline(prior, dvae, tokenizer, clip)
         prior_model = load_model(prior)
         tok = CaptionTokenizer.load(tokenizer, text_len=prior_model.text_len)
         reranker = Reranker.from_saved(clip) if clip is not None else None
-        return cls(prior_model, load_model(dvae), tok, reranker, device)
+        return cls(prior_model, load_model(dvae), tok, reranker, device, dtype)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], num_candidates: int = 1, batch_size: int = 64, temperature: float = 1.0,
@@ -131,7 +140,7 @@ class Generator:
         for start in range(0, p * n, batch_size):
             chunk = slice(start, start + batch_size)
             tokens = sample_image_tokens(
-                self.prior, text[chunk], temperature=temperature, top_k=top_k, top_p=top_p, cond_scale=cond_scale,
+                self.sampler, text[chunk], temperature=temperature, top_k=top_k, top_p=top_p, cond_scale=cond_scale,
                 image_prefix=None if prefix is None else prefix[chunk], generator=gen, graphs=graphs,
             )
             grid = tokens.view(-1, self.prior.image_grid, self.prior.image_grid)

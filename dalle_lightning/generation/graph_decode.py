@@ -12,24 +12,48 @@ every token and no host value is read. :class:`GraphDecoder` copies the token an
 replays the graph and returns its static output. The draw from the logits (top-k, top-p, the inverse CDF) stays
 eager: a dozen kernels, with the sampler's own generator.
 
+The capture runs without autocast: the weights are already in the compute dtype (:mod:`.cast`, as gpt-fast
+samples), so the replay reads them once, in 16 bits, and no cast of them is captured. It runs with
+``capture_error_mode="thread_local"``: under a distributed run another thread's CUDA call (NCCL's watchdog) would
+invalidate a ``"global"`` capture; inductor's CUDA graph trees capture the same way for this reason.
+
+**Buffers**: a step returns logits the caller owns. The graph's output is one buffer that the next replay
+overwrites, so :class:`GraphDecoder` returns a copy of it ([B, Vi] floats: a few hundred kilobytes, one small
+kernel per token beside a step that reads the whole model).
+
+**Fallback**: should the capture fail (a torch release, a driver or a GPU it never ran on, another thread's CUDA
+call), the step runs eagerly, for this call and every later one in the process, with one line naming ``graphs=false``
+(:mod:`dalle_lightning_plugins.fast_paths`; strict mode raises). A capture inside the FID or sample-grid callback
+therefore cannot end a training run.
+
 On the CPU there is no graph: :func:`decode_step` runs the same static step eagerly, which the tests compare with
-the eager decode token for token (``tests/test_graph_decode.py``).
+the eager decode token for token (``tests/test_graph_decode.py``); they emulate a replay that overwrites its output
+and force a capture to fail (``tests/test_fast_path_fallbacks.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from dalle_lightning.models.prior import DallePrior, KVCache
+from dalle_lightning_plugins.fast_paths import FastPath
 
 WARMUP = 2  # eager runs on a side stream before capture (cuBLAS workspaces, lazily built tables), as torch advises
 
 
 class DecodeStep(Protocol):
+    """``step(token [B], image_pos) -> logits [B, Vi]``: the next token's logits, a tensor the caller owns (no later
+    step writes into it)."""
+
     def __call__(self, token: torch.Tensor, image_pos: int) -> torch.Tensor: ...
+
+
+# One capture failure turns graphs off for the process: a capture that failed would fail again at every call.
+GRAPHS = FastPath("CUDA graph capture of the prior's decode step", "graphs=false", site="GraphDecoder")
 
 
 def use_graphs(mode: bool | str, device: torch.device, model: torch.nn.Module | None = None) -> bool:
@@ -59,53 +83,84 @@ class StaticDecoder:
         self.token.copy_(token)
         self.image_pos.fill_(image_pos)  # a kernel: no host-device copy, no wait
 
+    def _step(self) -> torch.Tensor:
+        return self.model.decode_at(self.token, self.image_pos, self.cache)
+
     def __call__(self, token: torch.Tensor, image_pos: int) -> torch.Tensor:
         self._load(token, image_pos)
-        return self.model.decode_at(self.token, self.image_pos, self.cache)
+        return self._step()
+
+
+def capture(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``step`` captured into a CUDA graph, without autocast and with ``capture_error_mode="thread_local"``, after
+    :data:`WARMUP` eager runs on a side stream; returns the graph and its static output.
+
+    The step must be idempotent (the decode step writes this position's keys and values: the same values, the
+    same place). A failed capture leaves the caller's stream current again: torch's ``graph`` context skips that
+    when ``capture_end`` raises, and the eager step that follows would otherwise run on the capture stream."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.autocast(device.type, enabled=False):
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP):
+                    step()
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = step()
+        finally:
+            torch.cuda.set_stream(current)
+            current.wait_stream(side)  # after a failed warm-up too: its writes land before the eager step's
+    return graph, out
 
 
 class GraphDecoder(StaticDecoder):
-    """:class:`StaticDecoder` replayed as one CUDA graph, captured at the first step.
+    """:class:`StaticDecoder` replayed as one CUDA graph, captured at the first step (:func:`capture`).
 
     Built after the prefill (the cache must exist, whole) and used for one sampling call: the graph holds the
-    cache's addresses. The step is captured under the caller's autocast state, with autocast's weight-cast cache off
-    (a capture may not allocate from it), so the replay computes in the same dtypes as the eager step."""
+    cache's addresses. The step computes in the weights' dtype, without autocast (:mod:`.cast`), as the eager step
+    of the same call does, so both draw the same tokens. Each call returns a copy of the graph's output buffer.
+    A failed capture runs the step eagerly (see the module docstring)."""
 
     def __init__(self, model: DallePrior, cache: KVCache, token: torch.Tensor) -> None:
         super().__init__(model, cache, token)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.captures = 0
+        self.eager = False  # the capture failed: every step of this call runs eagerly
 
-    def _capture(self) -> None:
-        device = self.token.device
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else None
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-            for _ in range(WARMUP):  # writes this step's keys and values twice: the same values, the same place
-                self.model.decode_at(self.token, self.image_pos, self.cache)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=False):
-            self.logits = self.model.decode_at(self.token, self.image_pos, self.cache)
-        self.graph = graph
+    def _capture_and_replay(self) -> torch.Tensor:
+        graph, logits = capture(self._step, self.token.device)
+        graph.replay()  # kept only once it has replayed: a graph that cannot is a failed fast path too
+        self.graph, self.logits = graph, logits
         self.captures += 1
+        return logits.clone()
+
+    def _replay(self) -> torch.Tensor:
+        assert self.graph is not None and self.logits is not None
+        self.graph.replay()
+        return self.logits.clone()
+
+    def _eager(self) -> torch.Tensor:
+        self.eager = True
+        return self._step()
 
     def __call__(self, token: torch.Tensor, image_pos: int) -> torch.Tensor:
         self._load(token, image_pos)
-        if self.graph is None:
-            self._capture()
-        assert self.graph is not None and self.logits is not None
-        self.graph.replay()
-        return self.logits
+        if self.graph is not None:
+            return self._replay()
+        if self.eager:
+            return self._step()
+        return GRAPHS.run(self._capture_and_replay, self._eager)
 
 
 def decode_step(model: DallePrior, cache: KVCache, token: torch.Tensor, graphs: bool) -> DecodeStep:
-    """The decode step of one sampling call: a :class:`GraphDecoder` with ``graphs``, else the eager static step
-    (the position as a host int, so the eager loop reads and copies nothing per token)."""
-    if graphs:
+    """The decode step of one sampling call: a :class:`GraphDecoder` with ``graphs`` (unless a capture failed in
+    this process), else the eager static step (the position as a host int, so the eager loop reads and copies
+    nothing per token)."""
+    if graphs and not GRAPHS.failed:
         return GraphDecoder(model, cache, token)
 
     def eager(token: torch.Tensor, image_pos: int) -> torch.Tensor:

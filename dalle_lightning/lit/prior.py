@@ -23,6 +23,7 @@ from typing_extensions import override
 from dalle_lightning.artifacts import load_frozen
 from dalle_lightning.lit.clipping import FusedOptimizerClipping
 from dalle_lightning.models.prior import DallePrior
+from dalle_lightning.generation.cast import precision_dtype
 from dalle_lightning.generation.sampling import sample_image_tokens
 
 
@@ -105,13 +106,26 @@ class PriorModule(FusedOptimizerClipping):
             raise RuntimeError("PriorModule has no dVAE to decode images; pass dvae=<path of dvae.pt> for FID")
         return self._dvae[0].to(self.device)
 
+    def sampling_dtype(self) -> torch.dtype | None:
+        """The compute dtype of the trainer's precision (``bf16-mixed``: bf16, ``32-true``: fp32; see
+        :func:`~dalle_lightning.generation.cast.precision_dtype`), None outside a trainer: the weights' own."""
+        trainer = self._trainer
+        return None if trainer is None else precision_dtype(trainer.precision)
+
     @torch.no_grad()
     def fid_generate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Images sampled for the batch's captions (seeded per call, so evaluations are comparable)."""
+        """Images sampled for the batch's captions (seeded per call, so evaluations are comparable), in the
+        training precision's compute dtype (:meth:`sampling_dtype`), as gpt-fast samples: a whole model is cast once
+        per call into a copy sampled without autocast, and a sharded one is sampled as it is, under autocast
+        (:func:`~dalle_lightning.generation.cast.sampling_model`). The callbacks call this outside the precision
+        plugin's forward context, so without it a bf16-mixed run would sample in fp32."""
         generator = torch.Generator(device=self.device).manual_seed(self.fid_seed)
-        tokens = sample_image_tokens(
-            self.model, batch["text"], temperature=self.fid_temperature, top_k=self.fid_top_k, generator=generator
-        )
+        dtype = self.sampling_dtype()
+        sixteen = dtype in (torch.bfloat16, torch.float16)
+        with torch.autocast(self.device.type, dtype=dtype if sixteen else None, enabled=sixteen):
+            tokens = sample_image_tokens(
+                self.model, batch["text"], temperature=self.fid_temperature, top_k=self.fid_top_k, generator=generator
+            )
         return self._decode(tokens)
 
     @torch.no_grad()

@@ -9,7 +9,7 @@ Stream layout (our choice, documented here because every other part depends on i
 plus the ``T = text_len`` caption positions (``n_text = T + 1``); the *image region* is the ``N = grid^2`` image
 tokens in raster order. The hidden state at position ``p`` predicts the token at ``p + 1``; the last image token
 is never an input. Image masks (row / column / conv) are defined on the input positions (the token a query
-holds), exactly as in :mod:`dalle_lightning.models.masks`.
+holds), exactly as in :mod:`dalle_lightning.models.layout`.
 
 Text ids use ``0`` for padding. Each text position ``i`` has its own learned padding embedding, row
 ``text_vocab_size + i`` of the text embedding. On the output side the text head predicts the raw id, so class
@@ -30,14 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dalle_lightning.models.masks import ATTENTION_KINDS, layer_pattern
+from dalle_lightning.models.layout import ATTENTION_KINDS, AttentionLayout, layer_pattern
 from dalle_lightning.models.regions import CompiledRegion, CompileMode, check_compile, wants_compiled
-from dalle_lightning.models.sparse_attention import (
-    ATTENTION_IMPLS,
-    AttentionLayout,
-    attention,
-    decode_attention,
-)
+from dalle_lightning.models.sparse_attention import ATTENTION_IMPLS, attention, decode_attention
 
 TEXT_LOSS_WEIGHT = 1.0 / 8.0  # paper: 1/8 text + 7/8 image
 

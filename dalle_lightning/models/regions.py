@@ -14,8 +14,10 @@ module only holds its ``compile`` setting.
 
 ``"auto"`` compiles where the inputs are on CUDA, and runs eagerly elsewhere (on the CPU the C++ compile of each
 graph costs more than a short run saves). Graphs are specialised per branch shape, dtype, grad mode and
-train/eval: the per-function recompile limit is raised for these functions only (a model of many branch shapes,
-such as the dVAE's groups, needs more than dynamo's 8), and hitting it raises instead of running eagerly.
+train/eval (the batch dimension is dynamic): the per-function recompile limit is raised for these functions only (a
+model of many branch shapes, such as the dVAE's groups, needs more than dynamo's 8). Each region's graphs are
+counted under its name (``<module>.<function>``, e.g. ``prior.MlpBranch._body``), and hitting the limit runs the new
+shapes eagerly with one line, or raises in strict mode (:mod:`dalle_lightning.models.recompiles`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any, Union
 
 import torch
 
-from dalle_lightning_plugins.recompiles import strict_recompiles
+from dalle_lightning.models.recompiles import CompiledFunction, RecompileLimitError
+from dalle_lightning_plugins.fast_paths import FastPath
 
 CompileMode = Union[bool, str]
 COMPILE_MODES = (True, False, "auto")
@@ -50,14 +53,23 @@ def wants_compiled(mode: CompileMode, x: torch.Tensor) -> bool:
 
 
 class CompiledRegion:
-    """``fn(module, *args)`` compiled on first use, called with a raised recompile limit that raises when hit."""
+    """``fn(module, *args)`` compiled on first use, under the recompile policy of :mod:`~.recompiles` (a raised
+    limit, graphs counted per region; a hit runs new shapes eagerly, or raises in strict mode).
+
+    Should the compile or the compiled call fail (a torch release or a GPU it never ran on), the region runs ``fn``
+    eagerly from then on, with one line for all regions (:mod:`dalle_lightning_plugins.fast_paths`; strict mode
+    raises). A failure in the compiled backward, which AOTAutograd compiles at the first backward, is not caught
+    here."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self._compiled: Callable[..., Any] | None = None
+        name = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}"
+        self._compiled = CompiledFunction(name, fn, limit=RECOMPILE_LIMIT, option="model.compile=false")
+        self._path = FastPath("torch.compile of the model's residual branches", "model.compile=false",
+                              site=fn.__qualname__, passthrough=(RecompileLimitError,))
+
+    def _run_compiled(self, *args: Any) -> Any:
+        return self._compiled(*args)
 
     def __call__(self, *args: Any) -> Any:
-        if self._compiled is None:
-            self._compiled = torch.compile(self.fn)
-        with strict_recompiles(RECOMPILE_LIMIT):
-            return self._compiled(*args)
+        return self._path.run(lambda: self._run_compiled(*args), lambda: self.fn(*args))

@@ -1,8 +1,11 @@
 """Attention kernels of the DALL-E prior: sparse (blocked), dense-mask reference, FlexAttention, and one-query decode.
 
 All take ``q, k, v: [B, H, L, D]`` over the stream ``n_text`` text positions + up to ``height * width`` image
-positions (``L`` may stop early, e.g. while sampling) and an :class:`AttentionLayout`; the masks are defined in
-:mod:`dalle_lightning.models.masks`. Every kind puts text keys and image keys into ONE softmax.
+positions (``L`` may stop early, e.g. while sampling) and an :class:`~dalle_lightning.models.layout.AttentionLayout`,
+whose geometry (which key each query sees) is written once, in :mod:`dalle_lightning.models.layout`: the dense
+reference reads its mask, this module's blocked and decode kernels derive their index tables from that mask, and
+FlexAttention (:mod:`dalle_lightning.models.flex`) evaluates the same rule per block. Every kind puts text keys and
+image keys into ONE softmax.
 
 Why the sparse path is sparse: an image query's keys are all text keys (shared, one ``[N, n_text]`` product) plus
 a few image keys that sit in a fixed geometric place, so the image part is computed on reshaped views instead of
@@ -21,67 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dalle_lightning.models.flex import compiled_flex, flex_block_mask, flex_mask_mod
-from dalle_lightning.models.masks import (
-    check_kind,
-    default_conv_kernel,
-    default_row_window,
-    full_mask,
-    image_mask,
-    text_causal_mask,
-)
+from dalle_lightning.models.flex import flex_attention
+from dalle_lightning.models.layout import AttentionLayout, text_causal_mask
 
 ATTENTION_IMPLS = ("auto", "sparse", "dense", "flex")
-
-
-@dataclass(frozen=True)
-class AttentionLayout:
-    """Geometry of one attention layer: its image->image kind, the text-region length and the image grid."""
-
-    kind: str
-    n_text: int
-    height: int
-    width: int
-    row_window: int | None = None
-    conv_kernel: int | None = None
-
-    def __post_init__(self) -> None:
-        check_kind(self.kind)
-        if self.n_text < 1:
-            raise ValueError(f"n_text={self.n_text}; expected at least 1 text position (the start token)")
-
-    @property
-    def n_image(self) -> int:
-        return self.height * self.width
-
-    @property
-    def window(self) -> int:
-        return default_row_window(self.width) if self.row_window is None else self.row_window
-
-    @property
-    def kernel(self) -> int:
-        return default_conv_kernel(self.width) if self.conv_kernel is None else self.conv_kernel
-
-    def image_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
-        return image_mask(
-            self.kind, self.height, self.width, row_window=self.window, conv_kernel=self.kernel, device=device
-        )
-
-    def full_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
-        return full_mask(
-            self.kind,
-            self.n_text,
-            self.height,
-            self.width,
-            row_window=self.window,
-            conv_kernel=self.kernel,
-            device=device,
-        )
 
 
 # ---------------------------------------------------------------------------------------------- index tables
@@ -164,12 +114,7 @@ def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def _split(q: torch.Tensor, layout: AttentionLayout) -> tuple[int, int]:
     """``(n, rows)``: image positions present and whole rows needed to hold them."""
-    n = q.shape[-2] - layout.n_text
-    if n > layout.n_image:
-        raise ValueError(
-            f"sequence of {q.shape[-2]} positions; expected at most n_text + height * width = "
-            f"{layout.n_text + layout.n_image}"
-        )
+    n = layout.image_positions(q.shape[-2])
     return n, math.ceil(n / layout.width)
 
 
@@ -243,20 +188,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: AttentionL
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     # Written out on CPU for the same reason as causal_attention: one query meets few keys.
     return _written_out(q, keys, values, mask)
-
-
-# ---------------------------------------------------------------------------------------------- FlexAttention
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
-    """FlexAttention with a block mask, compiled into the fused block-sparse kernel (:mod:`dalle_lightning.models.flex`).
-    On CPU only the forward compiles (torch has no CPU FlexAttention backward): with gradients it runs the unfused
-    eager path, which is useful to check the mask, not for speed."""
-    _split(q, layout)
-    block_mask = flex_block_mask(layout, q.shape[-2], q.device)
-    if q.is_cuda or not (torch.is_grad_enabled() and q.requires_grad):
-        return compiled_flex(q, k, v, block_mask)
-    from torch.nn.attention.flex_attention import flex_attention as eager_flex
-
-    return eager_flex(q, k, v, block_mask=block_mask)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:

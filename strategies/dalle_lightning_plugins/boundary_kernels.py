@@ -25,7 +25,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dalle_lightning_plugins.recompiles import strict_recompiles
+from dalle_lightning_plugins.fast_paths import FastPath
 
 _RECOMPILE_LIMIT = 32  # graphs per boundary function: dtypes x memory formats (contiguous, channels-last)
 
@@ -61,10 +61,25 @@ def _compiled(name: str):  # noqa: ANN202 - a compiled callable
 
 
 def _call_compiled(name: str, *args: object) -> object:
-    """A compiled boundary function, with dynamo's recompile limit raised for it and made an error: never the
-    silent eager fallback (which would be the slow path the compile exists to remove)."""
-    with strict_recompiles(_RECOMPILE_LIMIT):
+    """A compiled boundary function, with dynamo's recompile limit raised for it and made an error: not dynamo's
+    silent eager fallback, but the boundary's own (``_FUSED``: one line and the eager passes, or in strict mode the
+    error). The functions are compiled with dynamic shapes, so only dtypes and memory formats make new graphs.
+    Both settings are restored after the call, for the rest of the process; set as attributes, which costs a third
+    of ``config.patch`` (this runs twice per branch and backward)."""
+    config = torch._dynamo.config
+    limit, fail = config.recompile_limit, config.fail_on_recompile_limit_hit
+    config.recompile_limit, config.fail_on_recompile_limit_hit = max(limit, _RECOMPILE_LIMIT), True
+    try:
         return _compiled(name)(*args)
+    finally:
+        config.recompile_limit, config.fail_on_recompile_limit_hit = limit, fail
+
+
+# A compile that fails (a torch release or a GPU it never ran on) must not end a run over a few memory passes: the
+# boundary goes on with its eager passes, with one line (fast_paths; strict mode raises). One per boundary.
+_OPTION = "fused_boundaries=False (dalle-train: precision.fused_boundaries=false)"
+_FUSED = {name: FastPath("the fused gradient-boundary kernels (torch.compile)", _OPTION, site=name)
+          for name in ("identity", "branch")}
 
 
 def use_fused(fused: bool | None, grad: Tensor) -> bool:
@@ -78,16 +93,21 @@ def identity_grad(grad: Tensor, inv_scale: Tensor, flag: Tensor, fused: bool | N
     """:func:`identity_grad_eager` in one kernel where fused (the flag is raised by a second, 1-element one)."""
     if not use_fused(fused, grad):
         return identity_grad_eager(grad, inv_scale, flag)
-    out, found = _call_compiled("identity", grad, inv_scale.to(grad.device))
-    torch.maximum(flag, found.to(flag.device), out=flag)
-    return out
+
+    def fast() -> Tensor:
+        out, found = _call_compiled("identity", grad, inv_scale.to(grad.device))
+        torch.maximum(flag, found.to(flag.device), out=flag)
+        return out
+
+    return _FUSED["identity"].run(fast, lambda: identity_grad_eager(grad, inv_scale, flag))
 
 
 def branch_grad(grad: Tensor, scale: Tensor, dtype: torch.dtype, fused: bool | None = None) -> Tensor:
     """:func:`branch_grad_eager` in one kernel where fused."""
     if not use_fused(fused, grad):
         return branch_grad_eager(grad, scale, dtype)
-    return _call_compiled("branch", grad, scale.to(grad.device), dtype)
+    return _FUSED["branch"].run(lambda: _call_compiled("branch", grad, scale.to(grad.device), dtype),
+                                lambda: branch_grad_eager(grad, scale, dtype))
 
 
 def unscale_and_flag(grads: list[Tensor], inv_scale: Tensor, flag: Tensor) -> None:

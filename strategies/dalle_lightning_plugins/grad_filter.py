@@ -139,13 +139,18 @@ class BranchBoundaries:
     def _post_hook(self, index: int):  # noqa: ANN202
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             self._autocast_stack.pop().__exit__(None, None, None)
+            # Without gradients the pre-hook left the inputs as they were: the output goes back to the identity
+            # path's dtype, fp32 in training, but bf16 in a copy cast for sampling (generation/cast.py), whose next
+            # LayerNorm has bf16 weights (the CPU's layer_norm takes no fp32 input with them).
+            first = next((t for t in args if isinstance(t, Tensor) and t.is_floating_point()), None)
+            identity = first.dtype if first is not None and not torch.is_grad_enabled() else torch.float32
 
             def cast(t: Any) -> Any:
                 if not (isinstance(t, Tensor) and t.is_floating_point()):
                     return t
                 if torch.is_grad_enabled() and t.requires_grad:
                     return FromBranch.apply(t, torch.float32, self, index)
-                return t.to(torch.float32)
+                return t.to(identity)
 
             return _map(cast, output)
 

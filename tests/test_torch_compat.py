@@ -1,0 +1,140 @@
+"""``dalle_lightning_plugins.torch_compat``: each shim gives what torch's own API gives, on every supported torch.
+
+The fallbacks exist for releases older than the API (2.9 to 2.12 lack ``set_reduce_scatter_unused_params``);
+they are forced here on the newest release as well and compared with torch's own API, so a fallback is never
+tested only where nothing checks it against the real thing. The reference is computed by hand in the test
+process: ``ddp(find_unused_parameters=True)``'s average, where a rank that skipped a branch adds zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from dalle_lightning_plugins import torch_compat
+from tests.helpers.distributed import run_distributed
+
+WORLD = 2
+# (rank, micro-batch) -> whether that rank's forward takes the second branch of block 0
+TAKES_BRANCH = {(0, 0): True, (1, 0): False, (0, 1): True, (1, 1): False}
+
+
+class Block(nn.Module):
+    """A branch inside an FSDP unit that only some ranks take: the unit's all-gather runs on every rank, but
+    ``branch`` gets a gradient on those ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.branch = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, take: bool) -> torch.Tensor:
+        return torch.tanh(self.main(x)) + (self.branch(x) if take else 0)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, take: bool) -> torch.Tensor:
+        return self.head(self.blocks[1](self.blocks[0](x, take), True)).pow(2).mean()
+
+
+def batch(rank: int, micro: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + micro))
+
+
+def _sharded_grads(rank: int, world_size: int, native: bool, micro_batches: int) -> dict[str, torch.Tensor]:
+    """One step of ``Net`` sharded with FSDP2 over the 2 ranks (``micro_batches`` backwards, gradient sync on the
+    last only), the unused-parameter rule set by the shim: every parameter's whole averaged gradient."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    net = Net()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    torch_compat.reduce_scatter_unused_params(net, native=native)
+    assert isinstance(net, FSDPModule)
+    for micro in range(micro_batches):
+        net.set_requires_gradient_sync(micro == micro_batches - 1)
+        net(batch(rank, micro), TAKES_BRANCH[(rank, micro)]).backward()
+    grads = {name: p.grad.full_tensor() for name, p in net.named_parameters() if p.grad is not None}
+    dist.barrier()
+    return grads
+
+
+def reference_grads(micro_batches: int) -> dict[str, torch.Tensor]:
+    """``ddp(find_unused_parameters=True)``: the mean over ranks of each rank's summed gradient, zeros where a
+    rank never used the parameter."""
+    total: dict[str, torch.Tensor] = {}
+    for rank in range(WORLD):
+        net = Net()
+        for micro in range(micro_batches):
+            net(batch(rank, micro), TAKES_BRANCH[(rank, micro)]).backward()
+        for name, p in net.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            total[name] = total.get(name, 0) + g / WORLD
+    return total
+
+
+NATIVE = [pytest.param(True, marks=pytest.mark.skipif(not torch_compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS,
+                                                      reason=f"torch {torch.__version__} has no "
+                                                             "set_reduce_scatter_unused_params")),
+          pytest.param(False, id="fallback")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one_backward", "accumulated"])
+@pytest.mark.parametrize("native", NATIVE)
+def test_unused_parameters_join_the_reduce_scatter_as_zeros(native: bool, micro_batches: int) -> None:
+    """Rank 1 never takes block 0's branch: with the rule (torch's or the fallback) both ranks reduce-scatter
+    the same buffers, and every gradient is ddp's average, the branch's half of rank 0's."""
+    want = reference_grads(micro_batches)
+    for got in run_distributed(_sharded_grads, WORLD, native, micro_batches, timeout=120):
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert want["blocks.0.branch.weight"].abs().sum() > 0  # the branch had a gradient to halve
+
+
+def _fallback_installs_once(rank: int, world_size: int) -> list[int]:
+    """Groups per unit, groups whose ``post_backward`` is the fallback around FSDP2's own method (not around a
+    second fallback), and all groups."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    net = Net()
+    fully_shard(net.blocks[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    torch_compat.reduce_scatter_unused_params(net, native=False)
+    torch_compat.reduce_scatter_unused_params(net, native=False)  # a later Trainer on the same model
+    groups = [g for m in net.modules() if isinstance(m, FSDPModule)
+              for g in torch_compat.fsdp_param_groups(m._get_fsdp_state())]
+    once = [g for g in groups if isinstance(g.post_backward, functools.partial)
+            and not isinstance(g.post_backward.args[1], functools.partial)]
+    return [len(torch_compat.fsdp_param_groups(net.blocks[0]._get_fsdp_state())), len(once), len(groups)]
+
+
+@pytest.mark.distributed
+def test_the_fallback_wraps_each_parameter_group_once() -> None:
+    """Calling the shim twice (a second Trainer on the same model) wraps ``post_backward`` once, not twice, and
+    every unit has exactly its one parameter group on every supported release."""
+    for unit_groups, wrapped_once, groups in run_distributed(_fallback_installs_once, WORLD, timeout=120):
+        assert unit_groups == 1
+        assert wrapped_once == groups == 2
+
+
+@pytest.mark.parametrize(("version", "want"), [("2.11.0+cu130", (2, 11)), ("2.14.1", (2, 14)),
+                                               ("2.12.0a0+git1234", (2, 12)), ("3.0.0.dev20270101+cpu", (3, 0))])
+def test_torch_version_reads_major_and_minor(version: str, want: tuple[int, int]) -> None:
+    assert torch_compat.torch_version(version) == want
+
+
+def test_the_version_table_matches_the_installed_torch() -> None:
+    """The shims test for the API, not the number; this keeps the module's table true: 2.13 brought the API."""
+    assert torch_compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS == (torch_compat.TORCH_VERSION >= (2, 13))
