@@ -155,12 +155,14 @@ def free_port_in(hosts: TwoHosts) -> int:
         return s.getsockname()[1]
 
 
-def elastic_torchrun(hosts: TwoHosts, node: int, per_node: int, port: int, max_restarts: int = 3) -> list[str]:
+def elastic_torchrun(hosts: TwoHosts, node: int, per_node: int, port: int, max_restarts: int = 3,
+                     rdzv_node: int = 0) -> list[str]:
     """The ``torchrun`` of node ``node`` as a user starts it on each machine for a run that restarts itself:
-    ``--max-restarts`` with a c10d rendezvous hosted by node 0's agent, so a node's agent and workers can come
-    and go and the agents meet again. ``--local-addr``: the namespaces share one host name, which resolves to
-    neither veth end, so each agent names its own address (on real machines the host name serves);
-    ``is_host``: node 0 serves the rendezvous, which torchrun otherwise decides by that host name."""
+    ``--max-restarts`` with a c10d rendezvous hosted by node ``rdzv_node``'s agent, so a node's agent and workers
+    can come and go and the agents meet again. ``--local-addr``: the namespaces share one host name, which resolves
+    to neither veth end, so each agent names its own address (on real machines the host name serves);
+    ``is_host``: node ``rdzv_node`` serves the rendezvous, which torchrun otherwise decides by that host name
+    (``rdzv_node=1``: the node that does not hold rank 0)."""
     return ["torchrun", "--nnodes=2", f"--nproc-per-node={per_node}", f"--max-restarts={max_restarts}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={ADDRESSES[0]}:{port}", f"--rdzv-conf=is_host={int(node == 0)}",
-            f"--local-addr={ADDRESSES[node]}"]
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={ADDRESSES[rdzv_node]}:{port}",
+            f"--rdzv-conf=is_host={int(node == rdzv_node)}", f"--local-addr={ADDRESSES[node]}"]

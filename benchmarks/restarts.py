@@ -13,7 +13,8 @@ the tracebacks the workers printed (and, apart, those of torchrun's agents),
 the wall times, ``lost_s`` (the broken run's wall time less the uninterrupted run's: the failure's detection, the
 restart, the updates redone) and the log lines each node printed beyond the uninterrupted run's.
 
-    python benchmarks/restarts.py [--cases link_cut:sharded_powersgd:1,...] [--steps 300] [--overrides K=V ...]
+    python benchmarks/restarts.py [--cases link_cut:sharded_powersgd:1,...] [--steps 300] [--rdzv-node 0|1]
+        [--overrides K=V ...]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ two_hosts = importlib.util.module_from_spec(_spec)
 sys.modules["_two_hosts"] = two_hosts
 _spec.loader.exec_module(two_hosts)
 
+RDZV_NODE = 0  # the node whose agent hosts the rendezvous (--rdzv-node)
 ALL_CASES = [f"{f}:{s}:{n}" for f in ("link_cut", "worker_killed") for s in ("sharded_powersgd", "local_steps")
              for n in (1, 2)]
 LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
@@ -73,7 +75,8 @@ def launch(hosts: two_hosts.TwoHosts, work: Path, out: Path, strategy: str, per_
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}  # a caller's own launch settings stay out
     agents = []
     for node in (0, 1):
-        argv = [torchrun, *two_hosts.elastic_torchrun(hosts, node, per_node, port)[1:], "-m", "dalle_lightning.cli.train",
+        argv = [torchrun, *two_hosts.elastic_torchrun(hosts, node, per_node, port, rdzv_node=RDZV_NODE)[1:],
+                "-m", "dalle_lightning.cli.train",
                 "stage=prior", f"paths.work_dir={work}", f"strategy={strategy}", f"trainer.devices={per_node}",
                 "trainer.num_nodes=2", "model.n_layer=2", "model.n_head=2", "model.d_head=8", "data.batch_size=4",
                 "callbacks.fid=null", "callbacks.sample_grid=null", "trainer.limit_val_batches=0", "data.shuffle_buffer=0",
@@ -163,7 +166,11 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=175, help="the update the failure comes at")
     parser.add_argument("--overrides", nargs="*", default=[], help="dalle-train overrides for both runs, e.g. "
                         "precision=resblock16 precision.dtype=bf16 (the demo's precision plugin)")
+    parser.add_argument("--rdzv-node", type=int, choices=(0, 1), default=0,
+                        help="the node whose torchrun agent hosts the rendezvous (1: not the one holding rank 0)")
     args = parser.parse_args()
+    global RDZV_NODE
+    RDZV_NODE = args.rdzv_node
     reason = two_hosts.unavailable()
     if reason:
         print(json.dumps({"skipped": reason}))
@@ -174,7 +181,7 @@ def main() -> None:
         inputs(work)
         for case in args.cases.split(","):
             result = run_case(hosts, work, case, args.steps, args.at, 50, 20, *args.overrides)
-            print(json.dumps({**result, "overrides": args.overrides}), flush=True)
+            print(json.dumps({**result, "overrides": args.overrides, "rdzv_node": args.rdzv_node}), flush=True)
 
 
 if __name__ == "__main__":

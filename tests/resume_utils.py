@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import _save_dvae, run_app
+from tests.helpers.fork_safety import autograd_survives_fork
 
 N_TRAIN, N_VAL = 40, 16
 STEPS = 12
@@ -57,8 +58,13 @@ def last_checkpoint(work: Path, stage: str, name: str) -> Path:
     return work / "runs" / stage / name / "checkpoints" / "last.ckpt"
 
 
-def _train_then_exit(overrides: list[str]) -> None:
+def _train_then_exit(overrides: list[str], threads: int) -> None:
     from dalle_lightning.cli import train
+
+    # A spawned child: this process's thread count (the same arithmetic), and the platform's own start method for
+    # its DataLoader workers (multiprocessing makes a spawned child's default "spawn"), as a user's process has.
+    torch.set_num_threads(threads)
+    mp.set_start_method("fork", force=True)
 
     try:
         run_app(train.main, *overrides)
@@ -67,8 +73,11 @@ def _train_then_exit(overrides: list[str]) -> None:
 
 
 def train_killed(overrides: list[str]) -> None:
-    """Train in a forked child (this process's imports, no start-up cost) that must die by SIGKILL."""
-    child = mp.get_context("fork").Process(target=_train_then_exit, args=(overrides,))
+    """Train in a forked child (this process's imports, no start-up cost) that must die by SIGKILL
+    (``tests/helpers/fork_safety.py``: a spawned one where forking is unsafe)."""
+    # forked (this process's imports) unless a compile test ran here before: then a fresh interpreter
+    start = "fork" if autograd_survives_fork() else "spawn"
+    child = mp.get_context(start).Process(target=_train_then_exit, args=(overrides, torch.get_num_threads()))
     child.start()
     child.join()
     assert child.exitcode == -signal.SIGKILL, f"the run was not killed (exit code {child.exitcode})"

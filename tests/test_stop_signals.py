@@ -34,6 +34,12 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _sigint_as_a_shell_gives_it() -> None:
+    """In the child before it runs: SIGINT's default action, whatever this process inherited (a background job of a
+    non-interactive shell, as a CI script may start the suite, ignores SIGINT, and a child would inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _args(work: Path, runs: Path, name: str, *extra: str) -> list[str]:
     return [*STAGES["dvae"], f"paths.work_dir={work}", f"paths.runs={runs}", "trainer.max_steps=6",
             "data.batch_size=8", *QUIET, f"output={runs.parent / name}.pt", *extra]
@@ -45,7 +51,8 @@ def _stopped_run(work: Path, runs: Path, signum: int, flag: Path) -> tuple[int, 
     proc = subprocess.Popen([sys.executable, "-m", "dalle_lightning.cli.train",
                              *_args(work, runs, "stopped", "+callbacks.pause._target_=tests.pause_at.PauseAt",
                                     f"+callbacks.pause.flag={flag}", "+callbacks.pause.update=3")],
-                            env=_env(), cwd=runs.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=_env(), preexec_fn=_sigint_as_a_shell_gives_it, cwd=runs.parent, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not flag.with_suffix(".paused").exists():
@@ -138,7 +145,8 @@ def test_other_commands_stop_with_one_line_and_the_signal_code(resume_work: Path
     proc = subprocess.Popen([sys.executable, "-m", "dalle_lightning.cli.encode", f"paths.work_dir={resume_work}",
                              f"paths.world={tiny_world / 'world'}", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'run'}",
                              "batch_size=1", "num_workers=0"],
-                            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_env(), preexec_fn=_sigint_as_a_shell_gives_it, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (out.is_dir() and any(p.name.startswith(".") for p in out.iterdir())):  # its temporary split folder
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

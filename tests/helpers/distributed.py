@@ -20,7 +20,8 @@ Why this shape:
 - Each worker uses ``threads`` intra-op threads (default 1): the CI machine has 2 cores shared by everything.
 - ``start_method="fork"`` instead forks the workers from the calling process, with everything it has imported
   (Lightning, Hydra, the project): for workers that would otherwise spend seconds importing them, when the caller
-  runs no threads and no process group of its own.
+  runs no threads and no process group of its own; where it compiled with autograd before
+  (``tests/helpers/fork_safety.py``), the fork server instead.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.helpers.fork_safety import autograd_survives_fork
 
 HOST = "127.0.0.1"
 
@@ -136,6 +139,8 @@ def run_distributed(
     if start_method not in ("forkserver", "fork"):
         raise ValueError(f"start_method={start_method!r}; expected 'forkserver' or 'fork'")
     name = getattr(fn, "__name__", repr(fn))
+    if start_method == "fork" and not autograd_survives_fork():
+        start_method = "forkserver"  # a compile test ran in this process: forked workers could not backward
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # The fork server imports torch once; every worker forks from it instead of importing torch again, which
