@@ -68,8 +68,5 @@ class CompiledRegion:
         self._path = FastPath("torch.compile of the model's residual branches", "model.compile=false",
                               site=fn.__qualname__, passthrough=(RecompileLimitError,))
 
-    def _run_compiled(self, *args: Any) -> Any:
-        return self._compiled(*args)
-
     def __call__(self, *args: Any) -> Any:
-        return self._path.run(lambda: self._run_compiled(*args), lambda: self.fn(*args))
+        return self._path.run(lambda: self._compiled(*args), lambda: self.fn(*args))
