@@ -65,15 +65,9 @@ test-oldest: $(OLDEST_VENV)/.installed-test
 	$(OLDEST_PY) -c "import torch, lightning; print('oldest environment: torch', torch.__version__, 'lightning', lightning.__version__)"
 	$(OLDEST_PY) -m pytest -q -p no:cacheprovider --basetemp=$$(mktemp -d) --durations=5 $(OLDEST_TESTS)
 
-# CI (.ci/run): the whole suite on the newest torch and, beside it at a lower priority, the plugin and model tests
-# on the oldest, whose install and tests then mostly fill the time the suite's workers wait (on processes,
-# timeouts, the network namespaces). Its output follows the suite's; either failing fails CI.
-ci: $(VENV)/.installed-test
-	@log=$$(mktemp); start=$$(date +%s); \
-	nice -n 10 $(MAKE) --no-print-directory test-oldest >"$$log" 2>&1 & oldest=$$!; \
-	$(MAKE) --no-print-directory test; suite=$$?; echo "suite on the newest torch: $$(( $$(date +%s) - start )) s"; \
-	wait $$oldest; rc=$$?; echo "--- plugin and model tests on the oldest torch (done at $$(( $$(date +%s) - start )) s):"; \
-	cat "$$log"; rm -f "$$log"; exit $$(( suite || rc ))
+# CI: `make test` and, beside it at a lower priority, `make test-oldest` (.ci/run says how).
+ci:
+	.ci/run
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
