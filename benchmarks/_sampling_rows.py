@@ -32,7 +32,7 @@ from dalle_lightning.generation.sampling import sample_image_tokens
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.models.regions import wants_compiled
 from dalle_lightning.models.sparse_attention import decode_tables, resolve_impl
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 
 _DEMO = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/prior_shapes.yaml")
 _TEXT_LEN = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model/tokenizer_shapes.yaml").text_len  # the prior reads it

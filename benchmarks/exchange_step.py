@@ -33,7 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from dalle_lightning.models.prior import DallePrior  # noqa: E402
 from prior_throughput import SHAPES  # noqa: E402
-from dalle_lightning_plugins.inter_node import InterNodeReduction  # noqa: E402
+from dalle_lightning_plugins.compression.inter_node import InterNodeReduction  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 PATHS = ("backward", "end", "overlapped")

@@ -54,8 +54,8 @@ def _worker(rank: int, world: int, port: int, size: str, row: str, out: Any) -> 
 
     from dalle_lightning.lit.prior import PriorModule
     from dalle_lightning.models.prior import DallePrior
-    from dalle_lightning_plugins import sharded_powersgd
-    from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+    from dalle_lightning_plugins.strategies import sharded_powersgd
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
     torch.manual_seed(0)
     kwargs = SIZES[size]

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision  # noqa: E402
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision  # noqa: E402
 from tests.helpers.deep_residual import (  # noqa: E402
     DeepResidual,
     autocast_branches,

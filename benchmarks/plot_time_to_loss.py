@@ -19,8 +19,8 @@ import torch
 
 from dalle_lightning.evaluation.plot import Panel, line_chart
 from dalle_lightning.models.prior import DallePrior
-from dalle_lightning_plugins.powersgd import saved_share
-from dalle_lightning_plugins.inter_node import embedding_param_names
+from dalle_lightning_plugins.compression.powersgd import saved_share
+from dalle_lightning_plugins.compression.inter_node import embedding_param_names
 
 DEMO_PRIOR = (351, 20, 512, 8, 6, 4, 32)  # text vocabulary, caption positions, image vocabulary, grid, layers, heads, head width
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
-from dalle_lightning_plugins.compression_report import compression_report, default_uncompressed  # noqa: E402
-from dalle_lightning_plugins.powersgd import PowerSGD  # noqa: E402
+from dalle_lightning_plugins.compression.compression_report import compression_report, default_uncompressed  # noqa: E402
+from dalle_lightning_plugins.compression.powersgd import PowerSGD  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 

@@ -36,8 +36,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from dalle_lightning.models.prior import DallePrior  # noqa: E402
 from prior_throughput import SHAPES  # noqa: E402
-from dalle_lightning_plugins.powersgd import PowerSGD, plan_rank  # noqa: E402
-from dalle_lightning_plugins.step_flags import finite_per_tensor  # noqa: E402
+from dalle_lightning_plugins.compression.powersgd import PowerSGD, plan_rank  # noqa: E402
+from dalle_lightning_plugins.compression.step_flags import finite_per_tensor  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 PRIOR = {**SHAPES["demo"][0], "text_vocab_size": 350}  # the demo tokenizer's 350 words

@@ -52,7 +52,7 @@ def _curve_worker(rank: int, world_size: int, steps: int, powersgd_rank: int) ->
 
     from dalle_lightning.lit.prior import PriorModule
     from dalle_lightning.models.prior import DallePrior
-    from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
     class Losses(L.Callback):
         def __init__(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from dalle_lightning_plugins.powersgd import DEFAULT_RANK
+from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK
 
 
 # Keys that change what an update computes but neither its bytes nor its time: a rates run of the setting without

@@ -5,7 +5,7 @@ An artifact is a ``torch.save``d dict ``{"config": <Hydra _target_ dict>, "state
 ``meta`` holds facts other stages read through config resolvers (a dVAE's vocabulary and grid size, a
 tokenizer's vocabulary) and ``sha256``, the digest of the weights that later artifacts record (``lineage``).
 Only finite weights are written: a diverged run must not leave a file that later stages take for a trained
-model. Writes go through ``dalle_lightning_plugins.atomic_files`` (a temporary file renamed into place), so an interrupted save never leaves a half-written
+model. Writes go through ``dalle_lightning_plugins.io.atomic_files`` (a temporary file renamed into place), so an interrupted save never leaves a half-written
 artifact behind.
 """
 
@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from dalle_lightning_plugins.atomic_files import torch_save
+from dalle_lightning_plugins.io.atomic_files import torch_save
 
 # Which model class each stage saves (for files whose metadata predates the ``stage`` field).
 STAGE_TARGETS = {"dvae": ".models.dvae.", "prior": ".models.prior.", "clip": ".models.clip."}

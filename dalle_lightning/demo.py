@@ -23,7 +23,7 @@ import torch
 
 from dalle_lightning.cli.common import CONF_DIR
 from dalle_lightning.hardware import auto_precision, native_bf16, resolve_device
-from dalle_lightning_plugins.atomic_files import write_json
+from dalle_lightning_plugins.io.atomic_files import write_json
 
 # training updates per second, in metrics.json
 TIMER = "+callbacks.step_timer._target_=dalle_lightning_callbacks.step_timer.StepTimer"

@@ -18,7 +18,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from dalle_lightning_plugins.atomic_files import write_json
+from dalle_lightning_plugins.io.atomic_files import write_json
 
 MARKER = ".dalle-lightning.json"
 WRITERS = {"images": "dalle-data", "tokens": "dalle-encode", "samples": "dalle-generate"}

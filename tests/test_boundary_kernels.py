@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dalle_lightning_plugins.boundary_kernels import branch_grad, identity_grad
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.precision.boundary_kernels import branch_grad, identity_grad
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 from tests.helpers.deep_residual import DeepResidual, plugin_update, regression_data
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dalle_lightning_plugins.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError, checkpoint_problem
-from dalle_lightning_plugins.dcp_checkpoint import COMPLETE_MARKER, METADATA_FILENAME, save_sharded
+from dalle_lightning_plugins.io.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError, checkpoint_problem
+from dalle_lightning_plugins.io.dcp_checkpoint import COMPLETE_MARKER, METADATA_FILENAME, save_sharded
 from tests.resume_utils import QUIET, STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_sharded_writer_marks_completion_last_and_cleans_up_on_failure(tmp_path:
         save_sharded(target, {"w": torch.arange(4.0) + 1}, {"global_step": 2, "bad": Unpicklable()})
     assert _leftovers(tmp_path) == []  # no temporary directory
     loaded = {"w": torch.zeros(4)}
-    from dalle_lightning_plugins.dcp_checkpoint import load_sharded
+    from dalle_lightning_plugins.io.dcp_checkpoint import load_sharded
 
     assert load_sharded(target, loaded)["global_step"] == 1 and torch.equal(loaded["w"], torch.arange(4.0))
 
@@ -84,7 +84,7 @@ def test_strategy_writes_checkpoints_atomically_unless_given_another_writer() ->
     itself (or wraps, as ``AsyncCheckpointIO`` does) is kept."""
     from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
 
-    from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
     assert type(ShardedPowerSGDStrategy().checkpoint_io) is AtomicCheckpointIO
     given = ShardedPowerSGDStrategy()

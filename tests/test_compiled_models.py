@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from dalle_lightning.models.dvae import DiscreteVAE
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.models.regions import check_compile
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 
 PRIOR = dict(text_vocab_size=64, text_len=8, image_vocab_size=64, image_grid=4, n_layer=3, n_head=2, d_head=16)
 DVAE = dict(image_size=16, vocab_size=32, n_hid=16, n_blk_per_group=1, group_count=2, codebook_dim=16)

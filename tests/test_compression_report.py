@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from dalle_lightning_plugins.compression_report import compression_report, fsdp_shard_shape
-from dalle_lightning_plugins.powersgd import PowerSGD
+from dalle_lightning_plugins.compression.compression_report import compression_report, fsdp_shard_shape
+from dalle_lightning_plugins.compression.powersgd import PowerSGD
 
 
 class TinyTransformer(nn.Module):

@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dalle_lightning_plugins.dtensor_collectives import enable_raw_collectives, full_value
-from dalle_lightning_plugins.mesh import build_mesh
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.dtensor_collectives import enable_raw_collectives, full_value
+from dalle_lightning_plugins.strategies.mesh import build_mesh
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dalle_lightning_plugins.comm_dtype import resolve_comm_dtype
+from dalle_lightning_plugins.compression.comm_dtype import resolve_comm_dtype
 from dalle_lightning_plugins.dtypes import dtype_name, resolve_dtype
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 
 
 @pytest.mark.parametrize(

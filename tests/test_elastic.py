@@ -1,5 +1,5 @@
-"""What a restarted worker needs (``dalle_lightning_plugins/elastic.py``, ``dalle_lightning/cli/resume.py``,
-``dalle_lightning/cli/start_decision.py``), each against what it must do: a round's store that an earlier round's
+"""What a restarted worker needs (``dalle_lightning_plugins/environments/elastic.py``, ``dalle_lightning/run/resume.py``,
+``dalle_lightning/run/start_decision.py``), each against what it must do: a round's store that an earlier round's
 leftover address cannot hijack, one checkpoint every rank holds, checkpoints ordered by their own step and agreed on
 by their path relative to the work directory. Which launch continues: ``tests/test_launch_identity.py``; lost
 peers against bugs: ``tests/test_peer_loss.py``. The whole, under ``torchrun --max-restarts`` between two
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from dalle_lightning.cli.resume import checkpoint_step, launch_checkpoints, newest_complete
-from dalle_lightning.cli.start_decision import decide_start, record_launch
-from dalle_lightning_plugins import elastic
-from dalle_lightning_plugins.launch_identity import this_launch
+from dalle_lightning.run.resume import checkpoint_step, launch_checkpoints, newest_complete
+from dalle_lightning.run.start_decision import decide_start, record_launch
+from dalle_lightning_plugins.environments import elastic
+from dalle_lightning_plugins.environments.launch_identity import this_launch
 from tests.helpers.distributed import run_distributed
 
 

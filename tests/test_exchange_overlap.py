@@ -1,4 +1,4 @@
-"""The overlapped exchange (``dalle_lightning_plugins.exchange``) against the end-of-backward path it replaces.
+"""The overlapped exchange (``dalle_lightning_plugins.compression.exchange``) against the end-of-backward path it replaces.
 
 2 processes, 2 nodes x 1 device (gloo), the tiny residual model of ``tests/test_strategy_common.py``:
 
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.powersgd import rank_for_compression, saved_share
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.compression.powersgd import rank_for_compression, saved_share
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, reference_sgd, token_dataset, trainer
 
@@ -201,7 +201,7 @@ def test_compression_picks_the_rank_that_saves_that_share() -> None:
 
 
 def _scaled(rank: int, world_size: int) -> dict:
-    from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+    from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
     from tests.test_strategy_precision import PoisonedModule
 
     external_launch_env(rank)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, reference_sgd, token_dataset, trainer
 

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor
 from torch.optim import Optimizer
 
-from dalle_lightning_plugins.inter_node import ExchangePath, exchange_path
+from dalle_lightning_plugins.compression.inter_node import ExchangePath, exchange_path
 
 O, A, S, N = (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD, ExchangePath.IN_OPTIMIZER_STEP,
               ExchangePath.NOT_THIS_BACKWARD)

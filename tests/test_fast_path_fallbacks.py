@@ -22,7 +22,8 @@ from dalle_lightning.models import flex, prior as prior_module
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.models.layout import AttentionLayout
 from dalle_lightning.models.sparse_attention import attention
-from dalle_lightning_plugins import boundary_kernels, fast_paths
+from dalle_lightning_plugins.precision import boundary_kernels
+from dalle_lightning_plugins import fast_paths
 from dalle_lightning_plugins.fast_paths import FastPath, strict_fast_paths
 
 COMPILE_ERROR = ("backend='inductor' raised:\n"

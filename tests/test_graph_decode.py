@@ -77,7 +77,7 @@ def shipped_prior(device: str) -> DallePrior:
     """The prior as it ships and trains: ``attn_impl="auto"`` (a FlexAttention prefill on CUDA), ``compile="auto"``
     (each branch's body compiled on CUDA, so inside the capture) and the precision plugin's branch hooks (bf16, as
     ``make demo`` trains)."""
-    from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+    from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 
     torch.manual_seed(0)
     model = DallePrior(text_vocab_size=50, text_len=6, image_vocab_size=40, image_grid=4, n_layer=4, n_head=2,

@@ -1,5 +1,5 @@
 """A launch is one launch: a worker continues an earlier attempt only when its launcher says it restarted it
-(``dalle_lightning/cli/start_decision.py``, ``dalle_lightning_plugins/launch_identity.py``).
+(``dalle_lightning/run/start_decision.py``, ``dalle_lightning_plugins/environments/launch_identity.py``).
 
 torchrun's part runs the real torchrun (one node, one worker that records what torchrun tells it:
 ``tests/helpers/launch_env_worker.py``) twice with the same ``--rdzv-id``, the first launch's worker dying once;
@@ -19,8 +19,8 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_lightning.cli.start_decision import AFRESH, CONTINUE, RESUME, StartDecision, decide_start
-from dalle_lightning_plugins.launch_identity import this_launch
+from dalle_lightning.run.start_decision import AFRESH, CONTINUE, RESUME, StartDecision, decide_start
+from dalle_lightning_plugins.environments.launch_identity import this_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "helpers" / "launch_env_worker.py"
@@ -135,7 +135,7 @@ def test_every_rank_of_a_launch_logs_into_its_one_directory(tmp_path: Path) -> N
     from hydra import compose, initialize_config_dir
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-    from dalle_lightning.cli.run_guard import rank_logs
+    from dalle_lightning.run.run_guard import rank_logs
     from tests.conftest import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -158,7 +158,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch"),
     # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
     "GradScaler": ("_per_optimizer_states",),
-    # dalle_lightning_plugins.mesh: the gloo groups' collective timeout.
+    # dalle_lightning_plugins.strategies.mesh: the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
     # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients; the gather hook reads which
@@ -181,7 +181,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "TQDMProgressBar": ("_should_update",),
     "RichProgressBar": ("_add_task", "_update", "_update_metrics", "_initialize_train_progress_bar_id",
                         "_get_train_description", "train_progress_bar_id"),
-    # dalle_lightning.cli.common.lost_peer_exit names a failure inside Lightning's SIGTERM handler by its frame.
+    # dalle_lightning.run.exits.lost_peer_exit names a failure inside Lightning's SIGTERM handler by its frame.
     "lightning.pytorch.trainer.connectors.signal_connector": ("_SignalConnector._sigterm_notifier_fn",),
 }
 
@@ -197,9 +197,9 @@ def test_private_name_exists(owner: str, name: str) -> None:
 
 
 # FSDP2's instance attributes the strategy reads or sets (fsdp_wiring.to_plain/from_plain, full_bytes; the
-# ``reduce_scatter_unused_params`` fallback of dalle_lightning_plugins.torch_compat), checked on a real unit, on
+# ``reduce_scatter_unused_params`` fallback of dalle_lightning_plugins.compat), checked on a real unit, on
 # every tested torch. Dotted names are checked part by part. The parameter groups' own attribute moved in 2.13
-# (``_fsdp_param_group`` -> ``_fsdp_param_groups``): torch_compat.fsdp_param_groups reads either, and
+# (``_fsdp_param_group`` -> ``_fsdp_param_groups``): compat.fsdp_param_groups reads either, and
 # test_fsdp2_parameter_groups_are_found checks that the one of the installed release exists.
 FSDP2_INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "FSDPState": ("_modules", "_pre_forward_hook_handle", "_post_forward_hook_handle", "_pre_forward",
@@ -220,7 +220,7 @@ def fsdp_unit() -> Iterator[dict[str, object]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dalle_lightning_plugins.torch_compat import fsdp_param_groups
+    from dalle_lightning_plugins.compat import fsdp_param_groups
 
     owned = not dist.is_initialized()  # a default group another test left is used if it is a group of one
     if owned:
@@ -249,9 +249,9 @@ def test_fsdp2_instance_name_exists(fsdp_unit: dict[str, object], owner: str, na
 
 
 def test_fsdp2_parameter_groups_are_found(fsdp_unit: dict[str, object]) -> None:
-    """The attribute torch_compat.fsdp_param_groups reads on this release exists, and gives the unit's one group;
+    """The attribute compat.fsdp_param_groups reads on this release exists, and gives the unit's one group;
     where torch has ``set_reduce_scatter_unused_params``, the group attribute it sets exists too."""
-    from dalle_lightning_plugins.torch_compat import HAS_REDUCE_SCATTER_UNUSED_PARAMS, TORCH_VERSION
+    from dalle_lightning_plugins.compat import HAS_REDUCE_SCATTER_UNUSED_PARAMS, TORCH_VERSION
 
     state = fsdp_unit["FSDPState"]
     assert hasattr(state, "_fsdp_param_groups" if TORCH_VERSION >= (2, 13) else "_fsdp_param_group")
@@ -265,7 +265,7 @@ def test_the_source_scan_finds_private_names(tmp_path: Path) -> None:
     source.write_text(
         "import torch\nimport torch.distributed as dist\nimport webdataset as wds\n"
         "from lightning.fabric.utilities.init import _private, public\nfrom hydra._internal.utils import parser\n"
-        "from dalle_lightning_plugins.mesh import _own\nfrom torch.distributed.tensor import DTensor\n"
+        "from dalle_lightning_plugins.strategies.mesh import _own\nfrom torch.distributed.tensor import DTensor\n"
         "torch._foreach_norm(x)\ndist.ProcessGroupGloo._Options()._timeout = 1\nwds.filters._shuffle(s)\n"
         "self._mine = torch.zeros(1)\nhandlers = DTensor._op_dispatcher._custom_op_handlers\n"
         "torch._dynamo.config.recompile_limit = 8\n"

@@ -24,7 +24,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dalle_lightning_plugins.local_steps import LocalStepsStrategy
+from dalle_lightning_plugins.strategies.local_steps import LocalStepsStrategy
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, reference_sgd, token_dataset, trainer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dalle_lightning_plugins.mesh import build_mesh
+from dalle_lightning_plugins.strategies.mesh import build_mesh
 from tests.helpers.distributed import run_distributed
 
 

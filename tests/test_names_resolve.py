@@ -138,10 +138,10 @@ def test_every_project_import_is_the_file_of_its_name() -> None:
 def test_the_static_resolution_catches_what_it_should(tmp_path: Path) -> None:
     """Guards the check itself: an old name, a missing module, a missing name and a relative import are found."""
     source = tmp_path / "probe.py"
-    source.write_text("import dalle_lightning_plugins.mesh\nfrom dalle_lightning_callbacks.ema import EMA\n"
+    source.write_text("import dalle_lightning_plugins.strategies.mesh\nfrom dalle_lightning_callbacks.ema import EMA\n"
                       "from tests.helpers import layout\nfrom benchmarks._two_hosts import TwoHosts\n"
-                      "import strategies.dalle_lightning_plugins.mesh\nimport dalle_lightning_plugins.nowhere\n"
-                      "from dalle_lightning_plugins.mesh import nothing_of_that_name\nfrom . import conftest\n")
+                      "import strategies.dalle_lightning_plugins.strategies.mesh\nimport dalle_lightning_plugins.nowhere\n"
+                      "from dalle_lightning_plugins.strategies.mesh import nothing_of_that_name\nfrom . import conftest\n")
     problems = _unresolved(source)
     assert [p.split(": ", 1)[0].rsplit(":", 1)[1] for p in problems] == ["5", "6", "7", "8"], problems
 

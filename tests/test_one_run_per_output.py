@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dalle_lightning.cli.run_lock import lock_file, run_id
+from dalle_lightning.run.run_lock import lock_file, run_id
 from tests.conftest import run_app
 from tests.resume_utils import QUIET, STAGES
 
@@ -103,7 +103,7 @@ def test_encode_and_data_refuse_an_out_dir_another_run_writes(tmp_path: Path, ca
     import importlib
 
     out = tmp_path / "out"
-    holder_code = ("import sys, time; from dalle_lightning.cli.run_lock import acquire; "
+    holder_code = ("import sys, time; from dalle_lightning.run.run_lock import acquire; "
                    f"acquire('out_dir', {str(out)!r}, '/runs/first'); print('locked', flush=True); time.sleep(120)")
     first = subprocess.Popen([sys.executable, "-c", holder_code], env=_env(), stdout=subprocess.PIPE, text=True)
     try:

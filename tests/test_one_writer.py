@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dalle_lightning_plugins.atomic_files import PARTIAL, atomic_path, write_json
+from dalle_lightning_plugins.io.atomic_files import PARTIAL, atomic_path, write_json
 from tests.resume_utils import train_args
 from tests.test_sharded_stages import free_port
 

@@ -79,7 +79,7 @@ def test_paper_prior_experiment(tmp_path: Path) -> None:
                                                             "SkippedSampleMetrics", "EMA", "CompiledGraphs"}
 
     # The paper's compression at d_model 3968: 1 - 5 r / (8 d) = 86% for r = 896 in all.
-    from dalle_lightning_plugins.compression_report import compression_report
+    from dalle_lightning_plugins.compression.compression_report import compression_report
 
     report = compression_report(model, nodes=128, devices_per_node=8, rank=0, powersgd_rank=112)
     assert report["compression"] == pytest.approx(1 - 5 * 896 / (8 * 3968), abs=0.02)

@@ -13,8 +13,8 @@ import functools
 import pytest
 import torch
 
-from dalle_lightning_plugins.path_choice import OverlapChoice
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.compression.path_choice import OverlapChoice
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
 

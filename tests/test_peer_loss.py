@@ -1,4 +1,4 @@
-"""A lost peer is told from a bug by the error's type (``dalle_lightning_plugins/peer_loss.py``): a lost peer ends
+"""A lost peer is told from a bug by the error's type (``dalle_lightning_plugins/environments/peer_loss.py``): a lost peer ends
 a rank with one line and exit code 75, which a launcher restarts; a bug keeps its traceback and exits 1 as any
 Python error does, however its message reads."""
 
@@ -16,9 +16,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from dalle_lightning.cli.common import lost_peer, one_line_errors
-from dalle_lightning_plugins.exchange import ExchangeError
-from dalle_lightning_plugins.peer_loss import LOST_PEER_EXIT, PeerLost
+from dalle_lightning.cli.common import one_line_errors
+from dalle_lightning.run.exits import lost_peer
+from dalle_lightning_plugins.compression.exchange import ExchangeError
+from dalle_lightning_plugins.environments.peer_loss import LOST_PEER_EXIT, PeerLost
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "

@@ -7,7 +7,7 @@ from torch.optim import Optimizer
 
 import dalle_lightning_plugins
 from dalle_lightning_plugins.protocol import UnscalingPrecision
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 
 
 class DuckPrecision(Precision):

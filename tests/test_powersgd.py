@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.helpers.distributed import run_distributed
-from dalle_lightning_plugins.comm_dtype import resolve_comm_dtype, to_comm
-from dalle_lightning_plugins.householder import orthogonalize
-from dalle_lightning_plugins.powersgd import PowerSGD, plan_rank
+from dalle_lightning_plugins.compression.comm_dtype import resolve_comm_dtype, to_comm
+from dalle_lightning_plugins.compression.householder import orthogonalize
+from dalle_lightning_plugins.compression.powersgd import PowerSGD, plan_rank
 
 NODES, DEVICES = 2, 2
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dalle_lightning_plugins.householder import orthogonalize, orthogonalize_all
-from dalle_lightning_plugins.powersgd import PowerSGD
+from dalle_lightning_plugins.compression.householder import orthogonalize, orthogonalize_all
+from dalle_lightning_plugins.compression.powersgd import PowerSGD
 from tests.helpers.distributed import run_distributed
 
 

@@ -206,7 +206,7 @@ def test_the_plugins_boundary_kernels_hit_the_limit_as_the_models_regions_do(
     """The plugins keep their own policy (they never import ``dalle_lightning``): the limit raised for the boundary
     functions and made an error, which their fast path reports in one line (eager passes, equal values) or raises
     in strict mode."""
-    from dalle_lightning_plugins import boundary_kernels
+    from dalle_lightning_plugins.precision import boundary_kernels
 
     monkeypatch.setenv(ERRORS_ENV, str(tmp_path / "errors.log"))
     monkeypatch.setattr(boundary_kernels, "_RECOMPILE_LIMIT", 1)

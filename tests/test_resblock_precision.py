@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 from tests.helpers.deep_residual import (DeepResidual, autocast_branches, branch_grads, cosine, plugin_update,
                                          regression_data, squared_error)
 from tests.helpers.distributed import run_distributed

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 import torch
 
-from dalle_lightning.cli.resume import newest_checkpoint, resume_checkpoint
-from dalle_lightning_plugins.dcp_checkpoint import COMPLETE_MARKER
+from dalle_lightning.run.resume import newest_checkpoint, resume_checkpoint
+from dalle_lightning_plugins.io.dcp_checkpoint import COMPLETE_MARKER
 from tests.conftest import CONF, run_app
 
 

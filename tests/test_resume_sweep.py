@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dalle_lightning.cli.resume import resume_checkpoint
+from dalle_lightning.run.resume import resume_checkpoint
 from tests.conftest import run_app
 from tests.resume_utils import STAGES
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dalle_lightning_plugins.scale_rules import _NEVER, BlockScales, ScaleRules
+from dalle_lightning_plugins.precision.scale_rules import _NEVER, BlockScales, ScaleRules
 
 
 def _flags(*bad: int, n: int = 3) -> torch.Tensor:

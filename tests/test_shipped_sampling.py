@@ -85,7 +85,7 @@ def test_auto_is_bf16_on_a_gpu_that_has_it_and_fp32_on_any_cpu(monkeypatch: pyte
 
 # ------------------------------------------------------------------------------------- the callbacks in training
 def plugin_bf16() -> Any:
-    from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
+    from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
 
     return ResblockScalingPrecision(dtype="bf16")
 

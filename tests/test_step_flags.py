@@ -1,4 +1,4 @@
-"""The step's flags (``dalle_lightning_plugins.step_flags``), which both exchange paths and PowerSGD on its own
+"""The step's flags (``dalle_lightning_plugins.compression.step_flags``), which both exchange paths and PowerSGD on its own
 agree through: one collective answers whether any gradient anywhere is non-finite, which whole parameters some
 rank used (zeros where another rank has a gradient, None where nobody has), and which embedding rows some rank
 used; every rank gets the same answers."""
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.step_flags import RowSparse, agree_step_flags, finite_per_tensor, used_rows
+from dalle_lightning_plugins.compression.step_flags import RowSparse, agree_step_flags, finite_per_tensor, used_rows
 from tests.helpers.distributed import run_distributed
 
 

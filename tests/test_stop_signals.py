@@ -1,6 +1,6 @@
 """A ``dalle-train`` that SIGTERM or SIGINT stops says so: exit code 143 or 130, one ``error:`` line naming the
 checkpoint written at the stop, from which ``resume=`` continues to the weights of an uninterrupted run
-(``dalle_lightning/cli/stopped.py``, ``PacedCheckpoint(save_on_stop=True)``)."""
+(``dalle_lightning/run/stopped.py``, ``PacedCheckpoint(save_on_stop=True)``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
-from dalle_lightning.cli.stopped import stop_message, stop_reported
+from dalle_lightning.run.stopped import stop_message, stop_reported
 from tests.conftest import run_app
 from tests.resume_utils import QUIET, STAGES, max_dw
 

@@ -17,8 +17,8 @@ from tests.helpers.distributed import run_distributed
 from lightning.pytorch.loggers import CSVLogger
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
 
-from dalle_lightning_plugins.dcp_checkpoint import checkpoint_to_full_state_dict
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.io.dcp_checkpoint import checkpoint_to_full_state_dict
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 STEPS_PER_EPOCH = 3
 DATA = token_dataset(n=4 * 2 * STEPS_PER_EPOCH)  # 4 ranks x batch 2 x 3 steps

@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CUDAAccelerator
 
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 
 def test_setup_environment_sets_this_ranks_cuda_device_first() -> None:
@@ -32,8 +32,8 @@ def test_setup_environment_sets_this_ranks_cuda_device_first() -> None:
             mock.patch("torch.cuda.set_device", side_effect=lambda d: calls.append(f"set_device({d})")),
             mock.patch("lightning.pytorch.accelerators.cuda._check_cuda_matmul_precision"),
             mock.patch.object(ShardedPowerSGDStrategy, "_setup_distributed", lambda self: calls.append("init_process_group")),
-            mock.patch("dalle_lightning_plugins.sharded_powersgd.build_mesh", return_value=mock.MagicMock()),
-            mock.patch("dalle_lightning_plugins.inter_node.PowerSGD"),
+            mock.patch("dalle_lightning_plugins.strategies.sharded_powersgd.build_mesh", return_value=mock.MagicMock()),
+            mock.patch("dalle_lightning_plugins.compression.inter_node.PowerSGD"),
         ):
             strategy.setup_environment()
         assert strategy.root_device == torch.device("cuda", 3)

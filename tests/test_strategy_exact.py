@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
 
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 LR, STEPS, BATCH = 0.5, 2, 2
 

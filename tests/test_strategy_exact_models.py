@@ -99,7 +99,7 @@ def rank_loader(dataset: Dataset, rank: int) -> DataLoader:
 
 
 def _worker(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
     external_launch_env(rank)
     out = {}

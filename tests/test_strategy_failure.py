@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
 
-from dalle_lightning_plugins.mesh import build_mesh
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.mesh import build_mesh
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import host_store, join_group, run_distributed, stop
 
 WORLD, VICTIM = 4, 3

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dalle_lightning_callbacks.ema import EMA
-from dalle_lightning_plugins.sharded_powersgd import PRECISIONS, ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.sharded_powersgd import PRECISIONS, ShardedPowerSGDStrategy
 from tests.helpers import conformance as C
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import external_launch_env

@@ -17,8 +17,8 @@ from tests.test_strategy_common import external_launch_env, trainer
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.models import resnet18
 
-from dalle_lightning_plugins.mesh import mesh_shape
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.mesh import mesh_shape
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 
 class ResNetClassifier(L.LightningModule):

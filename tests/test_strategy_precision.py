@@ -21,8 +21,8 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.grad_poison import inf_grad
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
 
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 LR, BATCH, WORLD = 0.5, 2, 4
 

@@ -16,8 +16,8 @@ from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, token_dataset, trainer
 from torch.profiler import ProfilerActivity, profile
 
-from dalle_lightning_plugins.prefetch import prefetch_plan
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.prefetch import prefetch_plan
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 BLOCKS, DEPTH = 4, 2
 START = re.compile(r"FSDP::(pre_forward|pre_backward) \((.+)\)$")

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dalle_lightning_plugins.local_steps import LocalStepsStrategy
-from dalle_lightning_plugins.outer_step import split_fragments
-from dalle_lightning_plugins.outer_wire import INT8_BLOCK, dequantize_int8, quantize_int8, start_average
+from dalle_lightning_plugins.strategies.local_steps import LocalStepsStrategy
+from dalle_lightning_plugins.compression.outer_step import split_fragments
+from dalle_lightning_plugins.compression.outer_wire import INT8_BLOCK, dequantize_int8, quantize_int8, start_average
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import TinyModule, TinyResNet, external_launch_env, loader, loss_fn, token_dataset, trainer
 

@@ -73,12 +73,12 @@ def test_each_wheel_installs_names_of_its_own_and_no_tests(dists: dict[str, Dist
     # the benchmarks' comparison with torch's hook stays beside the benchmarks
     assert not [f for f in root_files if "torch_powersgd" in f]
     lean_files = zipfile.ZipFile(dists["dalle-lightning-plugins"].wheel).namelist()
-    assert {"dalle_lightning_plugins/__init__.py", "dalle_lightning_plugins/sharded_powersgd.py",
-            "dalle_lightning_plugins/atomic_files.py"} <= set(lean_files)
+    assert {"dalle_lightning_plugins/__init__.py", "dalle_lightning_plugins/strategies/sharded_powersgd.py",
+            "dalle_lightning_plugins/io/atomic_files.py"} <= set(lean_files)
     assert not [f for f in lean_files if f.startswith("dalle_lightning_plugins/") and not f.endswith(".py")]
     with tarfile.open(dists["dalle-lightning-plugins"].sdist) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", "LICENSE", "VERSION", "dalle_lightning_plugins/sharded_powersgd.py"} <= names
+    assert {"pyproject.toml", "README.md", "LICENSE", "VERSION", "dalle_lightning_plugins/strategies/sharded_powersgd.py"} <= names
     with tarfile.open(dists["dalle-lightning"].sdist) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     assert {"callbacks/dalle_lightning_callbacks/ema.py", "conf/train.yaml", "dalle_lightning/demo.py"} <= names

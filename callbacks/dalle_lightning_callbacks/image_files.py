@@ -1,5 +1,5 @@
 """Image files written whole or not at all: a PIL image encoded in memory, then written through the plugins'
-atomic writer (``dalle_lightning_plugins.atomic_files``: a temporary file beside the target, renamed into place).
+atomic writer (``dalle_lightning_plugins.io.atomic_files``: a temporary file beside the target, renamed into place).
 
 Here rather than beside the atomic writer: it needs Pillow, which ``dalle-lightning`` requires and the plugins'
 distribution does not. The image grids of the callbacks and ``dalle_lightning``'s PNG outputs (``dalle-generate``'s
@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image
 
-from dalle_lightning_plugins.atomic_files import write_bytes
+from dalle_lightning_plugins.io.atomic_files import write_bytes
 
 
 def save_image(image: Image.Image, path: str | os.PathLike, **options: Any) -> Path:

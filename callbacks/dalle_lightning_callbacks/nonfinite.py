@@ -9,7 +9,7 @@ every built-in precision (inside the optimizer's closure for ``32-true``). A fla
 to ``None``, and torch optimizers leave parameters without a gradient untouched: no step, no moment update, no
 weight decay. The decision is agreed across ranks, so sharded gradients skip together.
 
-A precision plugin that skips non-finite updates itself (``dalle_lightning_plugins.resblock_precision``: ``scales.skipped`` out
+A precision plugin that skips non-finite updates itself (``dalle_lightning_plugins.precision.resblock_precision``: ``scales.skipped`` out
 of ``scales.updates``) is read instead of checked again; so is a strategy's own count of skipped reductions
 (``powersgd.stats.skipped_steps``), which never reaches ``on_before_optimizer_step``.
 

@@ -31,7 +31,7 @@ from dalle_lightning.hardware import AUTO, native_bf16, resolve_device
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
 from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
 from dalle_lightning.data.tokenizer import CaptionTokenizer
-from dalle_lightning_plugins.atomic_files import temporary_name
+from dalle_lightning_plugins.io.atomic_files import temporary_name
 
 log = logging.getLogger("dalle_lightning.encode")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_lightning_plugins.atomic_files import write_json
+from dalle_lightning_plugins.io.atomic_files import write_json
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.data.splits import AUTO, Split, resolve_splits

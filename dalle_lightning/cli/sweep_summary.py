@@ -29,7 +29,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dalle_lightning_plugins.atomic_files import write_json, write_text
+from dalle_lightning_plugins.io.atomic_files import write_json, write_text
 
 log = logging.getLogger("dalle_lightning.sweep")
 

@@ -30,13 +30,13 @@ from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks, sizes
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
 from dalle_lightning.cli.held_logs import held_logs, release
-from dalle_lightning.cli.resume import resume_checkpoint
-from dalle_lightning.cli.start_decision import CONTINUE, decide_start
-from dalle_lightning.cli.stopped import stop_reported
-from dalle_lightning_plugins.elastic import init_default_group
-from dalle_lightning_plugins.launch_identity import this_launch
+from dalle_lightning.run.resume import resume_checkpoint
+from dalle_lightning.run.start_decision import CONTINUE, decide_start
+from dalle_lightning.run.stopped import stop_reported
+from dalle_lightning_plugins.environments.elastic import init_default_group
+from dalle_lightning_plugins.environments.launch_identity import this_launch
 from dalle_lightning.lineage import stage_record
-from dalle_lightning_plugins.atomic_files import write_json
+from dalle_lightning_plugins.io.atomic_files import write_json
 
 log = logging.getLogger("dalle_lightning.train")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from dalle_lightning_plugins.atomic_files import atomic_path
+from dalle_lightning_plugins.io.atomic_files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class CaptionTokenizer:
         return cls(Tokenizer.from_file(str(path)), text_len)
 
     def save(self, path: str | Path) -> None:
-        """Write ``tokenizer.json`` atomically (``dalle_lightning_plugins.atomic_files``), recording ``text_len``."""
+        """Write ``tokenizer.json`` atomically (``dalle_lightning_plugins.io.atomic_files``), recording ``text_len``."""
         self.tokenizer.enable_padding(length=self.text_len, pad_id=PAD_ID, pad_token=SPECIAL_TOKENS[PAD_ID])
         try:
             with atomic_path(path) as tmp:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from dalle_lightning_plugins.atomic_files import torch_save, write_json
+from dalle_lightning_plugins.io.atomic_files import torch_save, write_json
 
 SHAPES_CLIP = "shapes-clip"
 

@@ -22,7 +22,7 @@ from webdataset import TarWriter
 
 from dalle_lightning.outputs import claim, remove_stale_shards, write_marker
 from dalle_lightning.world.render import render
-from dalle_lightning_plugins.atomic_files import atomic_path
+from dalle_lightning_plugins.io.atomic_files import atomic_path
 from dalle_lightning.world.scene import SPLITS, Scene, split_rng, sample_scene
 
 # Fixed tar member time, for reproducible bytes. An int: a float mtime makes tarfile add a PAX header to every

@@ -7,13 +7,13 @@ The distribution ``dalle-lightning-plugins`` (built from this folder by its own 
 
 from importlib import metadata as _metadata
 
-from dalle_lightning_plugins.local_steps import LocalStepsStrategy
-from dalle_lightning_plugins.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
-from dalle_lightning_plugins.mesh import build_mesh, mesh_shape
-from dalle_lightning_plugins.prefetch import apply_prefetch, prefetch_plan
+from dalle_lightning_plugins.strategies.local_steps import LocalStepsStrategy
+from dalle_lightning_plugins.io.dcp_checkpoint import checkpoint_to_full_state_dict, export_full_state_dict
+from dalle_lightning_plugins.strategies.mesh import build_mesh, mesh_shape
+from dalle_lightning_plugins.strategies.prefetch import apply_prefetch, prefetch_plan
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision, find_resblocks
-from dalle_lightning_plugins.resblock_precision import ResblockScalingPrecision
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.precision.resblock_precision import ResblockScalingPrecision
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
 try:
     __version__ = _metadata.version("dalle-lightning-plugins")  # the folder's VERSION file, at install time

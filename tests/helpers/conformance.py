@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dalle_lightning_callbacks.ema import EMA
 from dalle_lightning_callbacks.nonfinite import NonFiniteGuard
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.test_strategy_common import VOCAB, WIDTH, TinyResNet, token_dataset
 
 WORLD = 2

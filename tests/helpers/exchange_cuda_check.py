@@ -21,9 +21,9 @@ def model():
 
 def run(rank, world, path, out):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    from dalle_lightning_plugins.exchange import OverlappedExchange
-    from dalle_lightning_plugins.powersgd import PowerSGD
-    from dalle_lightning_plugins.inter_node import embedding_param_names
+    from dalle_lightning_plugins.compression.exchange import OverlappedExchange
+    from dalle_lightning_plugins.compression.powersgd import PowerSGD
+    from dalle_lightning_plugins.compression.inter_node import embedding_param_names
     results = {}
     for overlap in (True, False):
         m = model()

@@ -1,13 +1,13 @@
-"""The checkpoints of :class:`~dalle_lightning_plugins.sharded_powersgd.ShardedPowerSGDStrategy`: one file as
+"""The checkpoints of :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`: one file as
 ``ddp`` writes it, or sharded DCP directories, with each rank's PowerSGD state and buffers, so a resumed run continues exactly.
 
 A mixin of the strategy (it uses the strategy's mesh, compressor and checkpoint IO): kept apart so that the
 strategy's module holds the Lightning glue of the step, and this one what goes to and comes from disk.
 
-* ``"full"``: the model and optimizers gathered whole on rank 0 (:mod:`dalle_lightning_plugins.full_checkpoint`),
+* ``"full"``: the model and optimizers gathered whole on rank 0 (:mod:`dalle_lightning_plugins.io.full_checkpoint`),
   plus each rank's PowerSGD state and buffers in lists by rank; ``load_from_checkpoint`` reads it.
 * ``"sharded"``: ``torch.distributed.checkpoint`` directories, every rank its own shards
-  (:mod:`dalle_lightning_plugins.dcp_checkpoint`).
+  (:mod:`dalle_lightning_plugins.io.dcp_checkpoint`).
 * Either form, or a ``ddp`` file, resumes a run.
 """
 
@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dalle_lightning_plugins.checkpoint_io import AtomicCheckpointIO
-from dalle_lightning_plugins.dcp_checkpoint import (
+from dalle_lightning_plugins.io.checkpoint_io import AtomicCheckpointIO
+from dalle_lightning_plugins.io.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
     load_sharded,
@@ -45,8 +45,8 @@ from dalle_lightning_plugins.dcp_checkpoint import (
     save_sharded,
     unpack,
 )
-from dalle_lightning_plugins.fsdp_wiring import from_plain, is_plain, to_plain
-from dalle_lightning_plugins.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
+from dalle_lightning_plugins.strategies.fsdp_wiring import from_plain, is_plain, to_plain
+from dalle_lightning_plugins.io.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 
 POWERSGD_KEY = "powersgd"
 OVERLAP_CHOICE_KEY = "overlap_choice"  # overlap="auto"'s schedule and decision, inside each rank's state

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dalle_lightning_plugins.comm_dtype import resolve_comm_dtype
-from dalle_lightning_plugins.powersgd import FP32_BYTES, factor_bytes, plan_rank
+from dalle_lightning_plugins.compression.comm_dtype import resolve_comm_dtype
+from dalle_lightning_plugins.compression.powersgd import FP32_BYTES, factor_bytes, plan_rank
 
 KINDS = ("compressed", "listed", "vector", "too_small", "empty")
 

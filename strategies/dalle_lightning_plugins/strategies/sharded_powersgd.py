@@ -2,23 +2,23 @@
 
 This is the paper's recipe for training a model that does not fit one GPU on machines joined by slow links:
 
-* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`dalle_lightning_plugins.mesh`);
+* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`dalle_lightning_plugins.strategies.mesh`);
 * every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
   remaining parameters form the root unit; the next blocks are prefetched explicitly
-  (:mod:`dalle_lightning_plugins.fsdp_wiring`, :mod:`dalle_lightning_plugins.prefetch`);
+  (:mod:`dalle_lightning_plugins.strategies.fsdp_wiring`, :mod:`dalle_lightning_plugins.strategies.prefetch`);
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
-  gradient with its replicas on the other nodes through :class:`~dalle_lightning_plugins.powersgd.PowerSGD`
+  gradient with its replicas on the other nodes through :class:`~dalle_lightning_plugins.compression.powersgd.PowerSGD`
   (not FSDP's HSDP all-reduce, which cannot be compressed), during the backward where it can:
-  :mod:`dalle_lightning_plugins.inter_node` decides when, :mod:`dalle_lightning_plugins.exchange` overlaps.
+  :mod:`dalle_lightning_plugins.compression.inter_node` decides when, :mod:`dalle_lightning_plugins.compression.exchange` overlaps.
   A non-finite gradient anywhere skips the optimizer step on every rank. A precision plugin that offers
   ``unscale_and_flag(optimizer) -> bool`` and ``mark_nonfinite()``
-  (:class:`~dalle_lightning_plugins.resblock_precision.ResblockScalingPrecision`) unscales the gradients
+  (:class:`~dalle_lightning_plugins.precision.resblock_precision.ResblockScalingPrecision`) unscales the gradients
   before PowerSGD and owns the skip decision;
 * checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
   sharded DCP directories (``"sharded"``), holding the model, the optimizer and each rank's PowerSGD state and
-  buffers, so a resumed run continues exactly (:mod:`dalle_lightning_plugins.strategy_checkpoints`);
+  buffers, so a resumed run continues exactly (:mod:`dalle_lightning_plugins.io.strategy_checkpoints`);
 * after ``fit``, ``validate``, ``test`` and ``predict`` the module holds whole plain tensors, as ``ddp`` leaves it
-  (``full_weights_after``; :func:`~dalle_lightning_plugins.fsdp_wiring.to_plain`), sharded again by the next stage;
+  (``full_weights_after``; :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`), sharded again by the next stage;
 * a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
   ``docs/plugins.md``), or the strategy says in one line what it cannot do.
 
@@ -45,7 +45,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
@@ -53,29 +53,27 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dalle_lightning_plugins import fsdp_wiring
-from dalle_lightning_plugins.collective_failures import OneLineCollectiveFailures
-from dalle_lightning_plugins.dtensor_collectives import DTensorCollectives, enable_raw_collectives
+from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.strategies.collective_failures import OneLineCollectiveFailures
+from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives, enable_raw_collectives
 from dalle_lightning_plugins.dtypes import resolve_dtype
-from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange
-from dalle_lightning_plugins.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried, carry
-from dalle_lightning_plugins.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
-from dalle_lightning_plugins.mesh import build_mesh
-from dalle_lightning_plugins.powersgd import DEFAULT_RANK, PowerSGD
+from dalle_lightning_plugins.compression.exchange import ExchangeError, OverlappedExchange
+from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried, carry
+from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
+from dalle_lightning_plugins.strategies.mesh import build_mesh
+from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision, find_resblocks, resolve_block_class
-from dalle_lightning_plugins.strategy_checkpoints import ShardedCheckpointing
+from dalle_lightning_plugins.io.strategy_checkpoints import ShardedCheckpointing
+from dalle_lightning_plugins.strategies.whole_weights import WholeWeightsAfterStage, refuse_whole_copy_callbacks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
-# full_weights_after="auto": whole weights after a stage when the whole model takes at most this share of the
-# memory free to each rank (the device's; on CPU, the host's available memory divided among its processes).
-FULL_WEIGHTS_MEMORY_SHARE = 0.5
 
 
-class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, DTensorCollectives, ModelParallelStrategy):
+class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneLineCollectiveFailures, DTensorCollectives, ModelParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
 
     Args:
@@ -93,13 +91,13 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
             matrices' fp32 bytes to save (the paper's figure, e.g. 0.86), from which the rank is derived once the
             model is known. Not both; neither: rank ``DEFAULT_RANK``.
         overlap: ``True``: start each bucket's inter-node exchange during the backward, as soon as its gradients
-            are ready (averaged over the node first at several devices per node; :mod:`dalle_lightning_plugins.exchange`);
+            are ready (averaged over the node first at several devices per node; :mod:`dalle_lightning_plugins.compression.exchange`);
             ``False``: the whole exchange after the backward; ``"auto"``: time both on the run's first updates and
-            keep the faster (:mod:`dalle_lightning_plugins.path_choice`). The update is the same either way.
+            keep the faster (:mod:`dalle_lightning_plugins.compression.path_choice`). The update is the same either way.
         bucket_cap_mb: consecutive resblocks share one overlapped bucket while their parameters fit in this many
             MiB (0: one bucket per resblock).
         start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
-            :class:`~dalle_lightning_plugins.powersgd.PowerSGD`.
+            :class:`~dalle_lightning_plugins.compression.powersgd.PowerSGD`.
         uncompressed_patterns: fnmatch patterns of parameter names all-reduced uncompressed (in addition to
             embeddings and 1-D parameters), e.g. the unembedding.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
@@ -308,14 +306,14 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
     @contextmanager
     def full_parameters(self) -> Generator[None, None, None]:
         """Collective: every parameter whole on every rank for the duration (protocol of the callbacks'
-        ``full_parameters``; see :func:`dalle_lightning_plugins.fsdp_wiring.full_parameters`)."""
+        ``full_parameters``; see :func:`dalle_lightning_plugins.strategies.fsdp_wiring.full_parameters`)."""
         with fsdp_wiring.full_parameters(self.model, self.reshard_after_forward):
             yield None
 
     # ------------------------------------------------------------------ the step
 
     def _exchange_path(self, every_unit_ran_once: bool) -> ExchangePath:
-        """When this backward's gradients cross between nodes (:func:`~dalle_lightning_plugins.inter_node.exchange_path`)."""
+        """When this backward's gradients cross between nodes (:func:`~dalle_lightning_plugins.compression.inter_node.exchange_path`)."""
         module = self.lightning_module
         return exchange_path(synchronised=self._synchronised_step, world_size=self.world_size,
                              automatic_optimization=module is not None and module.automatic_optimization,
@@ -503,51 +501,6 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
         self._leave_weights_whole()
         super().teardown()
 
-    def _leave_weights_whole(self) -> None:
-        """Collective at the end of a stage that ran to its end (never after an error: a peer may be gone): the
-        module's parameters plain and whole, as ``ddp`` leaves them (``full_weights_after``)."""
-        module, root = self.lightning_module, self._root
-        trainer = getattr(module, "_trainer", None)
-        if root is None or not isinstance(root, FSDPModule) or trainer is None:
-            return  # devices_per_node=1: the module is whole already
-        if trainer.state.status != TrainerStatus.RUNNING or not self._want_full_weights(root):
-            return
-        fsdp_wiring.to_plain(root)
-        self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
-
-    def _want_full_weights(self, root: nn.Module) -> bool:
-        if self.full_weights_after is not True and self.full_weights_after is not False:  # "auto", decided once
-            self._full_weights_decision = getattr(root, "_full_weights_decision", self._full_weights_decision)
-            if self._full_weights_decision is None:
-                need = fsdp_wiring.full_bytes(root)
-                free = self._free_bytes_per_rank()
-                fits = torch.tensor([float(need <= FULL_WEIGHTS_MEMORY_SHARE * free)], device=self.root_device)
-                dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # every rank the same decision: it is a collective
-                self._full_weights_decision = bool(fits.item())
-                object.__setattr__(root, "_full_weights_decision", self._full_weights_decision)
-                mib = 2**20
-                rank_zero_info(  # one line per module: a later Trainer on it reuses the decision
-                    f"{type(self).__name__}(full_weights_after='auto'): the whole model takes {need / mib:.2f} MiB "
-                    f"against {free / mib:.0f} MiB free per rank on rank 0, so after each stage its parameters "
-                    + ("are whole plain tensors, as under ddp" if self._full_weights_decision else
-                       "stay sharded DTensors (full_weights_after=True forces whole ones)"))
-            return self._full_weights_decision
-        return bool(self.full_weights_after)
-
-    def _free_bytes_per_rank(self) -> float:
-        """Memory free to this rank: its CUDA device's, or the host's available memory over its processes."""
-        if self.root_device.type == "cuda":
-            return float(torch.cuda.mem_get_info(self.root_device)[0])
-        available = 0.0
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        available = float(line.split()[1]) * 1024
-        except OSError:
-            available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        return available / max(1, self.num_processes)
-
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
@@ -565,29 +518,6 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, OneLineCollectiveFailures, D
 # as under ddp). Lightning's connector refuses "16-mixed" for every ModelParallelStrategy, naming that class and
 # Fabric; the check below replaces it for this strategy.
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
-
-
-# Lightning callbacks that change parameters in ways FSDP2's shards cannot follow (with their reason and the way out).
-_WHOLE_COPY_CALLBACKS = {
-    "StochasticWeightAveraging": "it copies the model's parameters into a whole copy it made before sharding "
-    "(Lightning refuses it under its own FSDP strategy too); use an EMA callback that handles shards "
-    "(dalle_lightning_callbacks.ema.EMA)",
-    "ModelPruning": "it re-registers each pruned weight as weight_orig times a mask, which FSDP2's shards cannot follow",
-}
-
-
-def refuse_whole_copy_callbacks(trainer: pl.Trainer, shard_size: int) -> None:
-    """One line before anything is sharded, instead of a DTensor traceback an epoch later."""
-    if shard_size <= 1:
-        return  # devices_per_node=1: parameters stay whole, as under ddp
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        # by class name along the MRO: a subclass of Lightning's callback (as tests and users write) is refused too
-        name = next((c.__name__ for c in type(callback).__mro__ if c.__name__ in _WHOLE_COPY_CALLBACKS), None)
-        if name is not None:
-            raise ValueError(
-                f"ShardedPowerSGDStrategy(devices_per_node={shard_size}) cannot run {name}: "
-                f"{_WHOLE_COPY_CALLBACKS[name]}; or pass devices_per_node=1 (parameters whole, PowerSGD between all "
-                "devices)")
 
 
 def check_precision(precision: Any) -> None:

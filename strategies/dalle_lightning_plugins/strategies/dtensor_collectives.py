@@ -1,7 +1,7 @@
 """Lightning's collectives on sharded values: ``reduce``, ``all_gather`` and ``broadcast`` take DTensors.
 
 Under FSDP2 a parameter and its gradient are DTensors sharded over the node's devices (the ``"shard"`` axis of
-the mesh, :mod:`dalle_lightning_plugins.mesh`), and so is whatever a LightningModule computes from them:
+the mesh, :mod:`dalle_lightning_plugins.strategies.mesh`), and so is whatever a LightningModule computes from them:
 ``p.grad.sum()`` is a DTensor with a ``Partial`` placement, each rank holding the sum of its own shard.
 ``self.log(p.grad.sum(), sync_dist=True)`` reaches ``strategy.reduce`` (Lightning's ``LightningModule.log`` hands
 ``trainer.strategy.reduce`` to the result collection as its sync function, called on the step's value and on the

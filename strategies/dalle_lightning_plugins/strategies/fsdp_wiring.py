@@ -2,7 +2,7 @@
 making every rank start from the same weights and buffers.
 
 Everything here is about the ``"shard"`` axis of the mesh (the devices of one node); what crosses between nodes
-is :mod:`dalle_lightning_plugins.inter_node`'s. The functions take modules, meshes and groups, not the strategy,
+is :mod:`dalle_lightning_plugins.compression.inter_node`'s. The functions take modules, meshes and groups, not the strategy,
 so the strategy's own module reads as Lightning's hook order.
 """
 
@@ -22,8 +22,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from dalle_lightning_plugins import torch_compat
-from dalle_lightning_plugins.prefetch import apply_prefetch
+from dalle_lightning_plugins import compat
+from dalle_lightning_plugins.strategies.prefetch import apply_prefetch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -157,7 +157,7 @@ def shard_module(
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     # ddp(find_unused_parameters=True): a parameter without a gradient on this rank (a branch only some ranks
     # take) joins the reduce-scatter with zeros, so every rank sends the same buffers.
-    torch_compat.reduce_scatter_unused_params(root)  # torch's own call from 2.13
+    compat.reduce_scatter_unused_params(root)  # torch's own call from 2.13
     gather_root_before_forward(root)
     apply_prefetch(list(blocks), prefetch_depth)  # type: ignore[arg-type]
     for name, block in zip(block_names or (), blocks):
@@ -233,7 +233,7 @@ def full_bytes(root: nn.Module) -> int:
 
 def _fsdp_params(unit: nn.Module) -> list[Any]:
     state = unit._get_fsdp_state()  # type: ignore[operator]
-    return [fp for group in torch_compat.fsdp_param_groups(state) for fp in group.fsdp_params]
+    return [fp for group in compat.fsdp_param_groups(state) for fp in group.fsdp_params]
 
 
 # Attribute of a ShardedRoot made plain by :func:`to_plain` (carried): [(unit, its FSDP class, its FSDP state, its
@@ -255,7 +255,7 @@ def _detach_fsdp_hooks(unit: nn.Module, state: Any, params: list[Any]) -> dict[s
     """
     state._pre_forward_hook_handle.remove()
     state._post_forward_hook_handle.remove()
-    for group in torch_compat.fsdp_param_groups(state):
+    for group in compat.fsdp_param_groups(state):
         for handles in (group._module_to_pre_save_state_dict_hook_handle,
                         group._module_to_pre_load_state_dict_hook_handle):
             for handle in handles.values():
@@ -276,7 +276,7 @@ def _attach_fsdp_hooks(unit: nn.Module, state: Any, params: list[Any], entries: 
     for fp in params:
         fp._post_load_hook_handle = fp._module_info.module.register_load_state_dict_post_hook(
             functools.partial(_reset_sharded_param, fp))
-    for group in torch_compat.fsdp_param_groups(state):
+    for group in compat.fsdp_param_groups(state):
         group._register_state_dict_hooks()
     module = state._modules[0]
     state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True,

@@ -3,8 +3,8 @@
 Why not one global loss scale: activation gradients shrink from later to earlier resblocks, so one scale that
 keeps the largest block from overflowing fp16 lets the smallest ones underflow to zero. Here every resblock
 (residual branch) computes in 16-bit with its own scale, applied at the branch's boundaries
-(:mod:`dalle_lightning_plugins.grad_filter`), while the identity path, embeddings, gains outside the branches and
-the output layer stay fp32. The scales follow the paper's rules (:mod:`dalle_lightning_plugins.scale_rules`).
+(:mod:`dalle_lightning_plugins.precision.grad_filter`), while the identity path, embeddings, gains outside the branches and
+the output layer stay fp32. The scales follow the paper's rules (:mod:`dalle_lightning_plugins.precision.scale_rules`).
 
 Lifecycle inside a Lightning step:
 
@@ -34,10 +34,10 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from dalle_lightning_plugins.dtypes import resolve_dtype
-from dalle_lightning_plugins.grad_filter import BranchBoundaries, unscale_and_flag
-from dalle_lightning_plugins.mesh import local_shard
+from dalle_lightning_plugins.precision.grad_filter import BranchBoundaries, unscale_and_flag
+from dalle_lightning_plugins.strategies.mesh import local_shard
 from dalle_lightning_plugins.protocol import find_resblocks, resolve_block_class
-from dalle_lightning_plugins.scale_rules import BlockScales, ScaleRules
+from dalle_lightning_plugins.precision.scale_rules import BlockScales, ScaleRules
 
 # The branch compute dtypes, and the Lightning precision name each corresponds to.
 _LIGHTNING_NAMES: dict[torch.dtype, str] = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
@@ -58,7 +58,7 @@ class ResblockScalingPrecision(Precision):
         log_every_n_steps: how often per-block log2 scales go to the trainer's loggers; default the trainer's.
         fused_boundaries: each branch boundary's backward as one compiled kernel (True), as separate eager passes
             (False), or compiled where the activations are on CUDA (None, the default; see
-            :mod:`dalle_lightning_plugins.boundary_kernels`). The values are the same either way.
+            :mod:`dalle_lightning_plugins.precision.boundary_kernels`). The values are the same either way.
     """
 
     def __init__(

@@ -4,7 +4,7 @@ After FSDP2 has averaged the gradients over a node (or at once, at one device pe
 local shard of every gradient with its replicas on the other nodes: PowerSGD for the matrices, plain averages for
 embeddings, vectors and what is listed uncompressed, one all-reduce over every rank for the parameters FSDP2
 left whole, and one flag all-reduce that agrees on the skip decision and on unused gradients
-(:mod:`dalle_lightning_plugins.step_flags`). :func:`exchange_path` decides, in one place, when in the step that
+(:mod:`dalle_lightning_plugins.compression.step_flags`). :func:`exchange_path` decides, in one place, when in the step that
 happens; :class:`InterNodeReduction` runs it, times it, names a failed collective, and reports the bytes.
 """
 
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.exchange import ExchangeError, OverlappedExchange, average_whole
-from dalle_lightning_plugins.mesh import local_shard
-from dalle_lightning_plugins.path_choice import OverlapChoice
-from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
-from dalle_lightning_plugins.powersgd import PowerSGD, rank_for_compression
+from dalle_lightning_plugins.compression.exchange import ExchangeError, OverlappedExchange, average_whole
+from dalle_lightning_plugins.strategies.mesh import local_shard
+from dalle_lightning_plugins.compression.path_choice import OverlapChoice
+from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
+from dalle_lightning_plugins.compression.powersgd import PowerSGD, rank_for_compression
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision
-from dalle_lightning_plugins.step_flags import agree_step_flags
+from dalle_lightning_plugins.compression.step_flags import agree_step_flags
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -88,7 +88,7 @@ class InterNodeReduction:
         compression: the share of the compressed matrices' fp32 bytes to save, from which the rank follows once
             the model is known; None keeps the rank.
         overlap: use the :class:`OverlappedExchange` where it applies (several nodes): True, False, or ``"auto"``,
-            the faster of the two paths timed on the run's own first updates (:mod:`~dalle_lightning_plugins.path_choice`).
+            the faster of the two paths timed on the run's own first updates (:mod:`~dalle_lightning_plugins.compression.path_choice`).
         bucket_cap_mb: the overlapped exchange's bucket size.
         uncompressed_patterns: fnmatch patterns of parameter names averaged uncompressed, besides embeddings.
     """

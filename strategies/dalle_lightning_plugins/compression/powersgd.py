@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dalle_lightning_plugins.comm_dtype import from_comm, resolve_comm_dtype, to_comm
-from dalle_lightning_plugins.householder import orthogonalize_all
-from dalle_lightning_plugins.step_flags import agree_step_flags, finite_per_tensor
+from dalle_lightning_plugins.compression.comm_dtype import from_comm, resolve_comm_dtype, to_comm
+from dalle_lightning_plugins.compression.householder import orthogonalize_all
+from dalle_lightning_plugins.compression.step_flags import agree_step_flags, finite_per_tensor
 
 FP32_BYTES = 4
 # The strategy's rank when neither a rank nor a compression is given; docs/results.md ("time to loss") says how
@@ -211,7 +211,7 @@ class PowerSGD:
         Skipping happens when any gradient on any rank of ``skip_group`` is non-finite; every rank gets the same
         answer, and then no gradient, error buffer or Q is touched. Every replica in ``group`` must pass the
         same names and shapes in the same order. ``finite``: that answer, when the caller has already agreed on
-        it over ``skip_group`` (:func:`~dalle_lightning_plugins.step_flags.agree_step_flags`); None agrees here,
+        it over ``skip_group`` (:func:`~dalle_lightning_plugins.compression.step_flags.agree_step_flags`); None agrees here,
         with a collective of its own.
         """
         named = list(named_grads)

@@ -3,7 +3,7 @@
 Every rank writes its own shards in parallel (no gather of a 12B model on one rank). A checkpoint is a
 directory: the DCP files of the model, optimizer and per-rank state (PowerSGD's Q and error buffers), plus
 ``meta.pt`` with the trainer's small metadata (loops, callbacks, schedulers), and last the completion marker
-``complete`` (``dalle_lightning_plugins.checkpoint_io.checkpoint_problem`` rejects a directory without it). It is first
+``complete`` (``dalle_lightning_plugins.io.checkpoint_io.checkpoint_problem`` rejects a directory without it). It is first
 written to a sibling temporary directory and renamed into place by rank 0 only after every rank has finished, so a
 crash never leaves a half-written checkpoint under the final name; a failed write (a full disk on any rank)
 removes the temporary directory, keeps the previous checkpoint and raises on every rank.
@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dalle_lightning_plugins.atomic_files import temporary_name, torch_save, write_text
+from dalle_lightning_plugins.io.atomic_files import temporary_name, torch_save, write_text
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "complete"  # written last into the temporary directory, before it is renamed into place

@@ -40,7 +40,7 @@ kernels on the default stream do not queue behind them; the step's commit waits 
 
 Where the overlap cannot apply (manual optimisation, a non-final micro-batch, a loss-scaling precision that
 unscales in the step, a unit that ran on no rank or more than once) the strategy calls :meth:`PowerSGD.reduce`
-at the end of the backward instead (:func:`~dalle_lightning_plugins.inter_node.exchange_path` decides); a
+at the end of the backward instead (:func:`~dalle_lightning_plugins.compression.inter_node.exchange_path` decides); a
 bucket that never becomes ready in the backward (a parameter this rank gave no gradient) is sent at the end,
 after the flags, with zeros for the gradients it lacks, as ``ddp`` does with ``find_unused_parameters``.
 """
@@ -55,10 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.mesh import local_shard
-from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
-from dalle_lightning_plugins.powersgd import FP32_BYTES, LowRank, PowerSGD
-from dalle_lightning_plugins.step_flags import RowSparse, agree_step_flags, finite_per_tensor
+from dalle_lightning_plugins.strategies.mesh import local_shard
+from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
+from dalle_lightning_plugins.compression.powersgd import FP32_BYTES, LowRank, PowerSGD
+from dalle_lightning_plugins.compression.step_flags import RowSparse, agree_step_flags, finite_per_tensor
 
 ROOT_BUCKET = "<root>"  # parameters outside every resblock but the embeddings: issued after the last resblock's
 ROWS_BUCKET = "<embedding rows>"  # embeddings sent by used rows: after the flags, which carry the rows

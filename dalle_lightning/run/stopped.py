@@ -8,7 +8,7 @@ the update under way and checkpoints it before the fit stops, so that ``resume=`
 (docs/resume.md, "Stopping a run").
 
 Workers that ``torchrun`` started are left as they were: the launcher stops healthy workers with SIGTERM to
-restart them, and ``dalle_lightning.cli.common.lost_peer_exit`` reports the one case that needs a line.
+restart them, and ``dalle_lightning.run.exits.lost_peer_exit`` reports the one case that needs a line.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from dalle_lightning.cli.common import process_rank
-from dalle_lightning_plugins.checkpoint_io import checkpoint_problem
+from dalle_lightning.run.exits import process_rank
+from dalle_lightning_plugins.io.checkpoint_io import checkpoint_problem
 
 SIGNAL_CONNECTOR_LOG = "lightning.pytorch.trainer.connectors.signal_connector"  # "Received SIGTERM: 15"
 
@@ -108,7 +108,7 @@ def stop_message(cfg: DictConfig, trainer: Any, signum: int, resumed_from: str |
 def last_checkpoint(trainer: Any) -> tuple[Path, int | None] | None:
     """The newest complete checkpoint in the run's checkpoint directories (the highest update its own metadata
     records; ``last.ckpt`` first among equals), and its update."""
-    from dalle_lightning.cli.resume import checkpoint_step
+    from dalle_lightning.run.resume import checkpoint_step
 
     found: list[tuple[tuple[int, bool], Path, int | None]] = []  # by the update the checkpoint itself records
     for callback in getattr(trainer, "checkpoint_callbacks", []):
@@ -132,7 +132,7 @@ def last_checkpoint(trainer: Any) -> tuple[Path, int | None] | None:
 
 def _auto_finds(cfg: DictConfig, path: Path, sweep: tuple[Path, list[str]] | None) -> bool:
     """Whether ``resume=auto`` of the same command would take ``path``."""
-    from dalle_lightning.cli.resume import newest_complete, stage_runs, sweep_job_runs
+    from dalle_lightning.run.resume import newest_complete, stage_runs, sweep_job_runs
 
     try:
         if sweep is not None:

@@ -22,7 +22,7 @@ or ``global`` without; and ``local_mix`` of the node's own weights is kept besid
 DiLoCo exactly.
 
 The global weights and the momentum are fp32 whatever the parameters' dtype; the pseudo-gradient may travel as
-bf16 or int8 (``comm_dtype``, :mod:`dalle_lightning_plugins.outer_wire`), halving or quartering the bytes. A
+bf16 or int8 (``comm_dtype``, :mod:`dalle_lightning_plugins.compression.outer_wire`), halving or quartering the bytes. A
 sync whose average is not finite on some rank changes no global weight (the decision is agreed over every rank)
 and every node restarts from the fragment's global weights.
 """
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dalle_lightning_plugins.outer_wire import InFlight, resolve_outer_wire, start_average
+from dalle_lightning_plugins.compression.outer_wire import InFlight, resolve_outer_wire, start_average
 
 
 @dataclass

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dalle_lightning_plugins.launch_identity import agreed_start
+from dalle_lightning_plugins.environments.launch_identity import agreed_start
 
 _held: dict[str, int] = {}  # lock file -> open descriptor, for as long as this process holds it
 _issued: set[str] = set()  # run ids this process has named: never twice, however many fall in one second

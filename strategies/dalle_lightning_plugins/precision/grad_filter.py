@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from dalle_lightning_plugins.boundary_kernels import branch_grad, identity_grad, unscale_and_flag
+from dalle_lightning_plugins.precision.boundary_kernels import branch_grad, identity_grad, unscale_and_flag
 
 __all__ = ["BranchBoundaries", "FromBranch", "ToBranch", "unscale_and_flag"]
 

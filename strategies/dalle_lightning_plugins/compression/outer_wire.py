@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dalle_lightning_plugins.comm_dtype import COMM_DTYPES, from_comm, to_comm
+from dalle_lightning_plugins.compression.comm_dtype import COMM_DTYPES, from_comm, to_comm
 from dalle_lightning_plugins.dtypes import resolve_dtype
 
 INT8_BLOCK = 1024  # elements per int8 scale: 0.4% of the payload, and a block's outlier spoils only its block

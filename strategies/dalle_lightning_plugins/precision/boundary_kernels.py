@@ -1,6 +1,6 @@
 """The arithmetic of a 16-bit branch's two gradient boundaries, fused into one pass each where it is compiled.
 
-Backward through a branch ``x + f(x)`` crosses two boundaries (:mod:`dalle_lightning_plugins.grad_filter`):
+Backward through a branch ``x + f(x)`` crosses two boundaries (:mod:`dalle_lightning_plugins.precision.grad_filter`):
 
 - leaving the identity path into the branch: ``(g * s) -> 16-bit``;
 - leaving the branch back to the identity path: ``g16 -> fp32``, ``/ s``, non-finite values set to 0 and the

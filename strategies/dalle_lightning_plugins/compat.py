@@ -4,7 +4,7 @@ The plugins require ``torch>=2.9`` (``strategies/pyproject.toml`` says why that 
 API they call, ``init_device_mesh(backend_override=)``). Where a torch API the strategy calls is newer than the
 floor, or a private FSDP2 name moved between releases, the call goes through a function here: it uses torch's own
 API where the installed release has it, and a fallback with the same effect where it does not. Each fallback is
-tested on every release (``tests/test_torch_compat.py`` forces it on the newest torch too, and compares both with
+tested on every release (``tests/test_compat.py`` forces it on the newest torch too, and compares both with
 a reference computed by hand), and every private name a function here reaches is checked on every tested release
 by ``tests/test_lightning_internals.py``. CI runs both files on the oldest supported torch (``make test-oldest``).
 

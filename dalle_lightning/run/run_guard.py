@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 from typing_extensions import override
 
-from dalle_lightning.cli import checks, run_lock
+from dalle_lightning.cli import checks
+from dalle_lightning.run import run_lock
 from dalle_lightning.cli.common import fail, process_rank
 
 

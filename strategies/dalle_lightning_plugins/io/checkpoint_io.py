@@ -3,12 +3,12 @@
 Lightning's ``TorchCheckpointIO`` saves through ``_atomic_save``: a ``mkstemp`` file in ``$TMPDIR``, then
 ``shutil.move``, which is a copy (not a rename) when ``$TMPDIR`` is another filesystem, so a full disk or a kill
 during the copy leaves a truncated ``last.ckpt``, which a resumed run then picks. :class:`AtomicCheckpointIO`
-writes through ``dalle_lightning_plugins.atomic_files`` instead: a temporary file beside the target, fsynced, ``os.replace``d.
+writes through ``dalle_lightning_plugins.io.atomic_files`` instead: a temporary file beside the target, fsynced, ``os.replace``d.
 A failed write raises :class:`CheckpointWriteError` (one line naming the file and the cause), removes its temporary
 file and leaves the previous checkpoint as it was.
 
 :func:`checkpoint_problem` says why a checkpoint (a file, or a sharded directory of
-``dalle_lightning_plugins.dcp_checkpoint``) cannot be resumed from, cheaply: a file must be a whole ``torch.save`` archive (its
+``dalle_lightning_plugins.io.dcp_checkpoint``) cannot be resumed from, cheaply: a file must be a whole ``torch.save`` archive (its
 zip directory, at the end of the file, is read: a cut file has none); a directory must carry its completion marker.
 """
 
@@ -23,8 +23,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
-from dalle_lightning_plugins.atomic_files import AtomicWriteError, torch_save
-from dalle_lightning_plugins.dcp_checkpoint import COMPLETE_MARKER, is_sharded_checkpoint
+from dalle_lightning_plugins.io.atomic_files import AtomicWriteError, torch_save
+from dalle_lightning_plugins.io.dcp_checkpoint import COMPLETE_MARKER, is_sharded_checkpoint
 
 
 class CheckpointWriteError(AtomicWriteError):

@@ -7,7 +7,7 @@ loops broadcast and wait at barriers. When the link goes down while a sync is on
 ``sync_delay``), the first collective to notice is often one of these, and it surfaced as gloo's bare
 ``Application timeout caused pair closure``. :class:`OneLineCollectiveFailures` wraps them: same message shape,
 naming the collective. Only a lost peer (``peer_loss.lost_peer``: by the error's type) becomes that line, a
-:class:`~dalle_lightning_plugins.peer_loss.PeerLost`; any other error is a bug and passes through as it was.
+:class:`~dalle_lightning_plugins.environments.peer_loss.PeerLost`; any other error is a bug and passes through as it was.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from typing_extensions import override
 
-from dalle_lightning_plugins.exchange import ExchangeError
-from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
+from dalle_lightning_plugins.compression.exchange import ExchangeError
+from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
 
 
 class OneLineCollectiveFailures:

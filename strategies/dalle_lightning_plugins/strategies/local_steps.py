@@ -2,8 +2,8 @@
 
 PowerSGD crosses a slow link every update with fewer bytes; DiLoCo (Douillard et al. 2023) crosses it every H
 updates with the whole model's change since the last crossing, and an outer optimizer turns that change into the
-next global weights (:mod:`dalle_lightning_plugins.outer_step`). :class:`LocalStepsStrategy` is
-:class:`~dalle_lightning_plugins.sharded_powersgd.ShardedPowerSGDStrategy` with the exchange between nodes moved
+next global weights (:mod:`dalle_lightning_plugins.compression.outer_step`). :class:`LocalStepsStrategy` is
+:class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy` with the exchange between nodes moved
 from every backward to every ``sync_every``-th optimizer step: the mesh, FSDP2 within a node, the checkpoints,
 the failure messages and the skip of a non-finite update are the same code. It is a subclass, not an option,
 because none of PowerSGD's settings applies to it (its constructor takes none of them) and its state, the global
@@ -31,7 +31,7 @@ every sync of the fit divided by the updates), ``local_steps/syncs``, ``local_st
 ``local_steps/sync_ms`` (the updates' wall time spent in syncs, per sync: sending, waiting for the other nodes,
 applying; with ``sync_delay`` the wire time hidden behind inner updates is not in it).
 
-Streaming: ``fragments``, ``sync_delay`` and ``local_mix`` (:mod:`dalle_lightning_plugins.outer_step`) sync the
+Streaming: ``fragments``, ``sync_delay`` and ``local_mix`` (:mod:`dalle_lightning_plugins.compression.outer_step`) sync the
 model in parts, each overlapping inner updates. Then replicas never all agree between syncs, but the global
 copy does on every rank holding the same shard; the fit's last sync gives every node the global weights.
 """
@@ -51,13 +51,13 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dalle_lightning_plugins import fsdp_wiring
-from dalle_lightning_plugins.exchange import ExchangeError, average_whole
-from dalle_lightning_plugins.mesh import local_shard
-from dalle_lightning_plugins.outer_step import OuterStep
-from dalle_lightning_plugins.peer_loss import PeerLost, lost_peer
-from dalle_lightning_plugins.sharded_powersgd import ShardedPowerSGDStrategy
-from dalle_lightning_plugins.step_flags import agree_step_flags, finite_per_tensor
+from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.compression.exchange import ExchangeError, average_whole
+from dalle_lightning_plugins.strategies.mesh import local_shard
+from dalle_lightning_plugins.compression.outer_step import OuterStep
+from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
+from dalle_lightning_plugins.compression.step_flags import agree_step_flags, finite_per_tensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -72,13 +72,13 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
     Args:
         devices_per_node, block_classes, block_patterns, reshard_after_forward, prefetch_depth,
             activation_checkpointing, param_dtype, reduce_dtype, process_group_backend, timeout,
-            checkpoint_format: as :class:`~dalle_lightning_plugins.sharded_powersgd.ShardedPowerSGDStrategy`.
+            checkpoint_format: as :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`.
         sync_every: inner updates between two syncs of the nodes (DiLoCo's H).
         outer_lr, outer_momentum, outer_nesterov: the outer SGD. DiLoCo's 0.7 and 0.9 (Nesterov) were tuned at
             H = 500 on language models; on the demo prior at H = 10 momentum 0.9 lands 19% above ``ddp``'s loss
             after 400 updates and 0.5 3% above (docs/results.md, "nodes that talk every H updates").
         outer_comm_dtype: wire of the pseudo-gradient: float32, bfloat16 / float16 (half the bytes) or int8 (a
-            quarter, all-gathered: :mod:`dalle_lightning_plugins.outer_wire`). int8, with ``sync_delay=1``, is the
+            quarter, all-gathered: :mod:`dalle_lightning_plugins.compression.outer_wire`). int8, with ``sync_delay=1``, is the
             default: on the demo prior it lands within 2.5% of ``ddp``'s loss and reaches it fastest over 50 and
             200 Mbit/s (docs/results.md, "Streaming").
         fragments: parameter fragments synced in turn, staggered over the ``sync_every`` updates (Streaming
@@ -210,7 +210,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
 
     def _outer(self, call: Callable[[list[torch.Tensor], dist.ProcessGroup | None, int], Any]) -> Any:
         """Collective over every rank: the outer step's part of this update (see
-        :mod:`dalle_lightning_plugins.outer_step`); where a sync landed, rank 0's buffers go everywhere."""
+        :mod:`dalle_lightning_plugins.compression.outer_step`); where a sync landed, rank 0's buffers go everywhere."""
         replicate = self.device_mesh["replicate"]
         replicas = replicate.size()
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""``dalle_lightning_plugins.torch_compat``: each shim gives what torch's own API gives, on every supported torch.
+"""``dalle_lightning_plugins.compat``: each shim gives what torch's own API gives, on every supported torch.
 
 The fallbacks exist for releases older than the API (2.9 to 2.12 lack ``set_reduce_scatter_unused_params``);
 they are forced here on the newest release as well and compared with torch's own API, so a fallback is never
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from dalle_lightning_plugins import torch_compat
+from dalle_lightning_plugins import compat
 from tests.helpers.distributed import run_distributed
 
 WORLD = 2
@@ -60,7 +60,7 @@ def _sharded_grads(rank: int, world_size: int, native: bool, micro_batches: int)
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    torch_compat.reduce_scatter_unused_params(net, native=native)
+    compat.reduce_scatter_unused_params(net, native=native)
     assert isinstance(net, FSDPModule)
     for micro in range(micro_batches):
         net.set_requires_gradient_sync(micro == micro_batches - 1)
@@ -84,7 +84,7 @@ def reference_grads(micro_batches: int) -> dict[str, torch.Tensor]:
     return total
 
 
-NATIVE = [pytest.param(True, marks=pytest.mark.skipif(not torch_compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS,
+NATIVE = [pytest.param(True, marks=pytest.mark.skipif(not compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS,
                                                       reason=f"torch {torch.__version__} has no "
                                                              "set_reduce_scatter_unused_params")),
           pytest.param(False, id="fallback")]
@@ -111,13 +111,13 @@ def _fallback_installs_once(rank: int, world_size: int) -> list[int]:
     net = Net()
     fully_shard(net.blocks[0], mesh=mesh)
     fully_shard(net, mesh=mesh)
-    torch_compat.reduce_scatter_unused_params(net, native=False)
-    torch_compat.reduce_scatter_unused_params(net, native=False)  # a later Trainer on the same model
+    compat.reduce_scatter_unused_params(net, native=False)
+    compat.reduce_scatter_unused_params(net, native=False)  # a later Trainer on the same model
     groups = [g for m in net.modules() if isinstance(m, FSDPModule)
-              for g in torch_compat.fsdp_param_groups(m._get_fsdp_state())]
+              for g in compat.fsdp_param_groups(m._get_fsdp_state())]
     once = [g for g in groups if isinstance(g.post_backward, functools.partial)
             and not isinstance(g.post_backward.args[1], functools.partial)]
-    return [len(torch_compat.fsdp_param_groups(net.blocks[0]._get_fsdp_state())), len(once), len(groups)]
+    return [len(compat.fsdp_param_groups(net.blocks[0]._get_fsdp_state())), len(once), len(groups)]
 
 
 @pytest.mark.distributed
@@ -132,9 +132,9 @@ def test_the_fallback_wraps_each_parameter_group_once() -> None:
 @pytest.mark.parametrize(("version", "want"), [("2.11.0+cu130", (2, 11)), ("2.14.1", (2, 14)),
                                                ("2.12.0a0+git1234", (2, 12)), ("3.0.0.dev20270101+cpu", (3, 0))])
 def test_torch_version_reads_major_and_minor(version: str, want: tuple[int, int]) -> None:
-    assert torch_compat.torch_version(version) == want
+    assert compat.torch_version(version) == want
 
 
 def test_the_version_table_matches_the_installed_torch() -> None:
     """The shims test for the API, not the number; this keeps the module's table true: 2.13 brought the API."""
-    assert torch_compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS == (torch_compat.TORCH_VERSION >= (2, 13))
+    assert compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS == (compat.TORCH_VERSION >= (2, 13))

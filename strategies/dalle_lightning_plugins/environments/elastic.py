@@ -3,7 +3,7 @@
 ``torchrun --max-restarts=N`` (with a c10d rendezvous) restarts every node's workers when one fails or a node
 comes back; a requeued SLURM job runs again. The restarted processes are new: this module gives them
 
-- which launch it belongs to and whether the launcher restarted it: :mod:`dalle_lightning_plugins.launch_identity`;
+- which launch it belongs to and whether the launcher restarted it: :mod:`dalle_lightning_plugins.environments.launch_identity`;
 - :func:`init_default_group`: the default process group exactly as Lightning makes it (backend, ranks,
   timeout), on a store of this round only. torchrun's agents share one store over all rounds of a launch, and
   the keys a process group writes there carry no round: a restarted rank can read the address a rank of the

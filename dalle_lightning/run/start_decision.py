@@ -1,7 +1,7 @@
 """Where a training run starts: afresh, from what ``resume=`` names, or where an earlier attempt of this same
 launch stopped. One function, :func:`decide_start`, takes that decision, once, with its reason.
 
-Continuing needs the launcher's word that it restarted this launch (``dalle_lightning_plugins.launch_identity``):
+Continuing needs the launcher's word that it restarted this launch (``dalle_lightning_plugins.environments.launch_identity``):
 
 - **torchrun**: an unfinished run whose ``launch.json`` names one of this launch's agents (each agent's own log
   directory, made when the agent started and kept over its restarts) and, where torchrun shares its agents' store,
@@ -30,11 +30,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from dalle_lightning.cli.common import process_rank
-from dalle_lightning.cli.resume import FINISHED_FILE, LAUNCH_FILE, _job_key, launch_checkpoints, stage_runs
-from dalle_lightning_plugins.atomic_files import write_json
-from dalle_lightning_plugins.elastic import agree_on_checkpoint, all_gather_objects
-from dalle_lightning_plugins.launch_identity import Launch, agreed_start, pool, this_launch
+from dalle_lightning.run.exits import process_rank
+from dalle_lightning.run.resume import FINISHED_FILE, LAUNCH_FILE, _job_key, launch_checkpoints, stage_runs
+from dalle_lightning_plugins.io.atomic_files import write_json
+from dalle_lightning_plugins.environments.elastic import agree_on_checkpoint, all_gather_objects
+from dalle_lightning_plugins.environments.launch_identity import Launch, agreed_start, pool, this_launch
 
 AFRESH, RESUME, CONTINUE = "afresh", "resume", "continue"
 

@@ -5,7 +5,7 @@ Every training run keeps its checkpoints in ``checkpoints/`` of its Hydra run di
 under ``strategy=sharded_powersgd``. ``resume=auto`` takes the newest complete one of the stage: of the run that
 began last (so a run that was itself resumed and then killed again is continued, not its predecessor), its highest
 update, skipping, with one line saying which, any that is truncated or incomplete
-(``dalle_lightning_plugins.checkpoint_io.checkpoint_problem``); ``resume=PATH`` names one; ``resume=null`` starts
+(``dalle_lightning_plugins.io.checkpoint_io.checkpoint_problem``); ``resume=PATH`` names one; ``resume=null`` starts
 from scratch. "Newest" is read from the runs' and checkpoints' own records (a run's start in its ``launch.json`` or
 its directory's name, a checkpoint's ``global_step``), never from file times, which a copy without ``-p`` resets
 and a client's clock stamps.
@@ -18,7 +18,7 @@ in. A job with no checkpoint yet (its first start) starts afresh, so one command
 
 Whatever ``resume`` says, a worker that its launcher restarted (``torchrun --max-restarts``, a requeued SLURM job)
 continues its own launch; that decision, and this module's answer otherwise, is taken in one place:
-:func:`dalle_lightning.cli.start_decision.decide_start`.
+:func:`dalle_lightning.run.start_decision.decide_start`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dalle_lightning_plugins.checkpoint_io import checkpoint_problem
+from dalle_lightning_plugins.io.checkpoint_io import checkpoint_problem
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -46,7 +46,7 @@ def checkpoint_step(path: Path) -> int | None:
     ``-p`` resets and a client's clock stamps."""
     try:
         if path.is_dir():
-            from dalle_lightning_plugins.dcp_checkpoint import read_metadata
+            from dalle_lightning_plugins.io.dcp_checkpoint import read_metadata
 
             saved = read_metadata(path)
         else:

@@ -1,0 +1,1 @@
+"""Launch environments: which launch a process belongs to, a launcher's restarts, lost peers told from bugs."""

@@ -1,0 +1,99 @@
+"""Whole plain weights after a stage, as ``ddp`` leaves a module (``full_weights_after``), and the callbacks whose whole
+copies of the parameters FSDP2's shards cannot follow.
+
+A mixin of :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`: it reads the
+strategy's ``lightning_module``, ``_root``, ``root_device``, ``num_processes`` and ``full_weights_after``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from dalle_lightning_plugins.strategies import fsdp_wiring
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# full_weights_after="auto": whole weights after a stage when the whole model takes at most this share of the
+# memory free to each rank (the device's; on CPU, the host's available memory divided among its processes).
+FULL_WEIGHTS_MEMORY_SHARE = 0.5
+
+
+class WholeWeightsAfterStage:
+    """The strategy's end of a stage: whole plain weights where ``full_weights_after`` says so."""
+
+    def _leave_weights_whole(self) -> None:
+        """Collective at the end of a stage that ran to its end (never after an error: a peer may be gone): the
+        module's parameters plain and whole, as ``ddp`` leaves them (``full_weights_after``)."""
+        module, root = self.lightning_module, self._root
+        trainer = getattr(module, "_trainer", None)
+        if root is None or not isinstance(root, FSDPModule) or trainer is None:
+            return  # devices_per_node=1: the module is whole already
+        if trainer.state.status != TrainerStatus.RUNNING or not self._want_full_weights(root):
+            return
+        fsdp_wiring.to_plain(root)
+        self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
+
+    def _want_full_weights(self, root: nn.Module) -> bool:
+        if self.full_weights_after is not True and self.full_weights_after is not False:  # "auto", decided once
+            self._full_weights_decision = getattr(root, "_full_weights_decision", self._full_weights_decision)
+            if self._full_weights_decision is None:
+                need = fsdp_wiring.full_bytes(root)
+                free = self._free_bytes_per_rank()
+                fits = torch.tensor([float(need <= FULL_WEIGHTS_MEMORY_SHARE * free)], device=self.root_device)
+                dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # every rank the same decision: it is a collective
+                self._full_weights_decision = bool(fits.item())
+                object.__setattr__(root, "_full_weights_decision", self._full_weights_decision)
+                mib = 2**20
+                rank_zero_info(  # one line per module: a later Trainer on it reuses the decision
+                    f"{type(self).__name__}(full_weights_after='auto'): the whole model takes {need / mib:.2f} MiB "
+                    f"against {free / mib:.0f} MiB free per rank on rank 0, so after each stage its parameters "
+                    + ("are whole plain tensors, as under ddp" if self._full_weights_decision else
+                       "stay sharded DTensors (full_weights_after=True forces whole ones)"))
+            return self._full_weights_decision
+        return bool(self.full_weights_after)
+
+    def _free_bytes_per_rank(self) -> float:
+        """Memory free to this rank: its CUDA device's, or the host's available memory over its processes."""
+        if self.root_device.type == "cuda":
+            return float(torch.cuda.mem_get_info(self.root_device)[0])
+        available = 0.0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        available = float(line.split()[1]) * 1024
+        except OSError:
+            available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return available / max(1, self.num_processes)
+
+
+# Lightning callbacks that change parameters in ways FSDP2's shards cannot follow (with their reason and the way out).
+_WHOLE_COPY_CALLBACKS = {
+    "StochasticWeightAveraging": "it copies the model's parameters into a whole copy it made before sharding "
+    "(Lightning refuses it under its own FSDP strategy too); use an EMA callback that handles shards "
+    "(dalle_lightning_callbacks.ema.EMA)",
+    "ModelPruning": "it re-registers each pruned weight as weight_orig times a mask, which FSDP2's shards cannot follow",
+}
+
+
+def refuse_whole_copy_callbacks(trainer: pl.Trainer, shard_size: int) -> None:
+    """One line before anything is sharded, instead of a DTensor traceback an epoch later."""
+    if shard_size <= 1:
+        return  # devices_per_node=1: parameters stay whole, as under ddp
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        # by class name along the MRO: a subclass of Lightning's callback (as tests and users write) is refused too
+        name = next((c.__name__ for c in type(callback).__mro__ if c.__name__ in _WHOLE_COPY_CALLBACKS), None)
+        if name is not None:
+            raise ValueError(
+                f"ShardedPowerSGDStrategy(devices_per_node={shard_size}) cannot run {name}: "
+                f"{_WHOLE_COPY_CALLBACKS[name]}; or pass devices_per_node=1 (parameters whole, PowerSGD between all "
+                "devices)")
