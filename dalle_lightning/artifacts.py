@@ -1,7 +1,10 @@
 """Stage artifacts: a trained model saved with the config that builds it, so later stages and tools load it
 without knowing its hyper-parameters.
 
-An artifact is a ``torch.save``d dict ``{"config": <Hydra _target_ dict>, "state_dict": ..., "meta": {...}}``.
+An artifact is a ``torch.save``d dict ``{"config": <Hydra _target_ dict>, "state_dict": ..., "meta": {...}}`` of
+tensors and plain JSON values only: it is read with ``torch.load(weights_only=True)``, its config and metadata are
+checked to be plain values, and its ``_target_`` must be one of the project's models (:mod:`dalle_lightning.model_targets`),
+so opening a model file someone else made never runs code from it (:mod:`dalle_lightning.safe_files`).
 ``meta`` holds facts other stages read through config resolvers (a dVAE's vocabulary and grid size, a
 tokenizer's vocabulary) and ``sha256``, the digest of the weights that later artifacts record (``lineage``).
 Only finite weights are written: a diverged run must not leave a file that later stages take for a trained
@@ -17,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from dalle_lightning.model_targets import build_model, checked_config
+from dalle_lightning.safe_files import check_plain, read_data
 from dalle_lightning_plugins.io.atomic_files import torch_save
 
 # Which model class each stage saves (for files whose metadata predates the ``stage`` field).
@@ -49,6 +53,8 @@ def save_model(
     source = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().cpu().contiguous() for k, v in source.items()}
     check_finite(state, path)
+    meta = dict(meta or {})
+    check_plain({"config": cfg, "meta": meta}, path, "artifact")  # what is written loads as data
     return torch_save({"config": cfg, "state_dict": state, "meta": {**(meta or {}), "sha256": weights_digest(state)}}, path)
 
 
@@ -62,17 +68,24 @@ def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
         )
 
 
+CONVERT = "convert a file you trust once: python -m dalle_lightning.convert_artifact OLD NEW"
+
+
 def _read(path: str | Path) -> dict:
+    """A model file's contents, read as data: tensors under ``state_dict``, plain values under ``config`` and
+    ``meta``; anything that asks for more is a one-line :class:`~dalle_lightning.safe_files.UnsafeFile`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist; train that stage first (dalle-train stage=...)")
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # pickle, zip and torch raise many types for a file that is not a torch save
-        raise ValueError(f"{str(path)!r} is not a dalle-lightning model file ({type(exc).__name__}); "
-                         "expected a file written by dalle-train") from exc
+    blob = read_data(path, "dalle-lightning model file", CONVERT, "a file written by dalle-train")
     if not isinstance(blob, dict) or "config" not in blob or "state_dict" not in blob:
         raise ValueError(f"{str(path)!r} is not a dalle-lightning model file; expected keys config, state_dict")
+    state = blob["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ValueError(f"{str(path)!r}: state_dict is not a dict of named tensors; expected a file written by "
+                         "dalle-train")
+    check_plain({"config": blob["config"], "meta": blob.get("meta") or {}}, path, "artifact")
+    checked_config(blob["config"], path)  # a stranger's _target_ is refused at the first read, not at the build
     return blob
 
 
@@ -111,7 +124,7 @@ def load_artifact(path: str | Path, map_location: str | torch.device = "cpu", st
     """
     blob = _read(path)
     meta = _check_stage(_meta(blob), path, stage, key)
-    model = instantiate(blob["config"])
+    model = build_model(blob["config"], path)  # the project's model classes only
     model.load_state_dict(blob["state_dict"])
     return model.to(map_location).eval(), meta
 

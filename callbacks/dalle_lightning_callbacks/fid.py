@@ -59,7 +59,7 @@ from typing_extensions import override
 
 from dalle_lightning_callbacks.batches import take
 from dalle_lightning_callbacks.contrastive import ContrastiveScore
-from dalle_lightning_callbacks.inception import INCEPTION, inception_weights as find_inception_weights
+from dalle_lightning_callbacks.inception import INCEPTION, inception_weights as find_inception_weights, weights_only_loads
 from dalle_lightning_callbacks.sharding import full_parameters
 
 INCEPTION_DIM = 2048
@@ -169,9 +169,10 @@ def build_fid(feature_extractor: Any = None, feature_dim: int | None = None, inc
     ``feature_extractor``'s, or without one the standard Inception-v3 from ``inception_weights`` (default: torch's
     hub cache). ``kwargs`` go to torchmetrics (e.g. ``reset_real_features=False`` to keep a fixed reference set)."""
     if feature_extractor is None:
-        return FrechetInceptionDistance(feature=feature_dim or INCEPTION_DIM, normalize=True,
-                                        feature_extractor_weights_path=find_inception_weights(inception_weights),
-                                        **kwargs)
+        weights = find_inception_weights(inception_weights)  # read as data first: one line if it is not
+        with weights_only_loads():  # torch-fidelity's own read asks for weights_only=False
+            return FrechetInceptionDistance(feature=feature_dim or INCEPTION_DIM, normalize=True,
+                                            feature_extractor_weights_path=weights, **kwargs)
     if inception_weights is not None:
         raise ValueError("both feature_extractor and inception_weights given; expected one feature extractor")
     return FrechetInceptionDistance(feature=feature_module(feature_extractor, feature_dim, probe_size), normalize=True,

@@ -30,7 +30,7 @@ from dalle_lightning.artifacts import save_model
 from dalle_lightning.cli import checks, sizes
 from dalle_lightning.cli.common import check_keys, hydra_app, instantiate_dict, process_rank, strategy_and_precision
 from dalle_lightning.cli.held_logs import held_logs, release
-from dalle_lightning.run.resume import resume_checkpoint
+from dalle_lightning.run.resume import check_data, resume_checkpoint
 from dalle_lightning.run.start_decision import CONTINUE, decide_start
 from dalle_lightning.run.stopped import stop_reported
 from dalle_lightning_plugins.environments.elastic import init_default_group
@@ -146,8 +146,10 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     release(held, below=logging.WARNING if decision.kind == CONTINUE else None)
     log.info("%s", decision.reason)  # rank 0 (the other ranks' project logs are off): once per run
     ckpt_path = decision.checkpoint
+    if ckpt_path is not None:  # resume=PATH, resume=auto and a launcher's restart alike: data only, one line if not
+        check_data(ckpt_path, "resume")
     with stop_reported(cfg, trainer, ckpt_path, _sweep()):  # SIGTERM, SIGINT: one line naming the checkpoint
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     has_validation = getattr(datamodule, "has_validation", None)
     if callable(has_validation) and has_validation() and not cfg.trainer.fast_dev_run:
         # Fit may stop mid-epoch (max_steps) without validating: measure what is saved, the final (EMA) weights.

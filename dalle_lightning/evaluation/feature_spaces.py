@@ -9,7 +9,8 @@ So each space has a name that goes into every score measured in it: ``clip`` for
 
 Both are used through :class:`~dalle_lightning.generation.rerank.Reranker` (``embed_images``, ``embed_texts``: unit-
 norm embeddings of [0, 1] images resized to the model's input, and of captions). Weights are read from a local file
-only; a pretrained *tag* (``openai``, ...) is refused, so nothing is downloaded.
+only, as data (open_clip's ``torch.load(weights_only=True)``); a pretrained *tag* (``openai``, ...) is refused, so
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from dalle_lightning.generation.rerank import Reranker
+from dalle_lightning.safe_files import refusal, refused_global
 
 CLIP_SPACE = "clip"  # the project's CLIP (clip=)
 OPEN_CLIP_KEYS = ("model", "pretrained")
@@ -65,7 +67,12 @@ def open_clip_reranker(model: str, pretrained: str, device: str | torch.device =
     try:
         return Reranker.from_pretrained(model, pretrained).to(device)
     except (RuntimeError, KeyError, ValueError, AssertionError, OSError, EOFError, pickle.UnpicklingError) as exc:
-        # load_state_dict's mismatches, open_clip's own shape asserts, a truncated or foreign file
+        # load_state_dict's mismatches, open_clip's own shape asserts, a truncated or foreign file; open_clip reads
+        # with torch.load(weights_only=True), so a file that asks for a global was refused before anything ran
+        name = refused_global(exc)
+        if name is not None:
+            raise refusal(pretrained, name, f"{key}.pretrained: weights file",
+                          f"use the published weights file of {model}") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{key}.pretrained={pretrained!r} could not be loaded as {model} weights ({first[:200]}); "
                          f"expected a weights file of the {model} architecture") from exc

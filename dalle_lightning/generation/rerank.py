@@ -16,6 +16,7 @@ from torch import nn
 
 from dalle_lightning.artifacts import load_model
 from dalle_lightning.models import clip as clip_models
+from dalle_lightning.safe_files import check_plain, read_data
 
 
 class Reranker(nn.Module):
@@ -62,11 +63,13 @@ class Reranker(nn.Module):
             return cls.from_model(clip_models.create(f"local-dir:{path}")).to(device)
         if not path.is_file():
             raise FileNotFoundError(f"CLIP checkpoint not found: {str(path)!r}; expected a .ckpt file or a saved model directory")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        if "open_clip_spec" not in checkpoint or "state_dict" not in checkpoint:
+        checkpoint = read_data(path, "ClipModule checkpoint", "use a checkpoint that dalle-train stage=clip wrote",
+                               "a .ckpt file that dalle-train stage=clip wrote")  # data only: no code runs
+        if not isinstance(checkpoint, dict) or "open_clip_spec" not in checkpoint or "state_dict" not in checkpoint:
             raise ValueError(f"{str(path)!r} is not a ClipModule checkpoint; expected keys 'open_clip_spec' and 'state_dict'")
         prefix = "model."
         state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        check_plain(checkpoint["open_clip_spec"], path, "open_clip_spec")
         model = clip_models.from_spec(checkpoint["open_clip_spec"], state)
         return cls.from_model(model).to(device)
 

@@ -3,10 +3,18 @@
 Our module tree mirrors theirs name for name; the only difference is that their ``Conv2d`` calls its
 parameters ``w``/``b`` where ``nn.Conv2d`` says ``weight``/``bias``. Users holding the released weight files
 can thus start from the paper's dVAE (build ``DiscreteVAE(image_size=256)`` with the default widths).
+
+The release pickles whole ``dall_e`` modules, so it cannot load as plain tensors; it is read with torch's restricted
+unpickler (``weights_only=True``) allowing, for this one load, exactly the classes those modules are made of
+(:data:`OPENAI_CLASSES`: ``dall_e``'s Encoder, Decoder, their blocks and Conv2d, and the torch containers and layers
+they hold) besides torch's own tensor rebuilds. The unpickler creates those objects without calling their
+constructors and only sets their attributes; any other global is refused in one line naming the file and the global.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -14,6 +22,7 @@ import torch
 from torch import nn
 
 from dalle_lightning.models.dvae import DiscreteVAE
+from dalle_lightning.safe_files import UnsafeFile, read_data
 
 _SUFFIXES = {".w": ".weight", ".b": ".bias"}
 
@@ -56,19 +65,43 @@ def load_openai_state_dicts(
     return model
 
 
+# (module, class) names of what OpenAI's encoder.pkl and decoder.pkl are made of, besides tensors and containers.
+OPENAI_CLASSES: tuple[tuple[str, str], ...] = (
+    ("dall_e.encoder", "Encoder"), ("dall_e.encoder", "EncoderBlock"),
+    ("dall_e.decoder", "Decoder"), ("dall_e.decoder", "DecoderBlock"), ("dall_e.utils", "Conv2d"),
+    ("torch.nn", "Sequential"), ("torch.nn", "ReLU"), ("torch.nn", "MaxPool2d"), ("torch.nn", "Upsample"),
+    ("torch.nn", "Identity"),
+)
+
+
+def openai_classes() -> list[type]:
+    """The classes of :data:`OPENAI_CLASSES` that import here (``dall_e``'s only where OpenAI's package is installed:
+    a plain state dict needs none of them)."""
+    classes = []
+    for module, name in OPENAI_CLASSES:
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except ModuleNotFoundError:
+            continue
+    return classes
+
+
 def _read_state(path: str | os.PathLike[str]) -> Mapping[str, torch.Tensor]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"OpenAI dVAE file {os.fspath(path)!r} does not exist; expected encoder.pkl or decoder.pkl")
+    allowed = ", ".join(f"{m}.{n}" for m, n in OPENAI_CLASSES[:5])
+    fix = f"OpenAI's release holds only {allowed} modules and tensors; use the files OpenAI published"
     try:
-        # The release pickles whole ``dall_e`` modules, so full unpickling is needed: load trusted files only.
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            f"unpickling {os.fspath(path)!r} needs OpenAI's package ({err.name} missing); install it with `pip install dall-e`"
-        ) from err
+        obj = read_data(path, "OpenAI dVAE file", fix,
+                        "encoder.pkl or decoder.pkl of the dall_e release, or a state dict", allowed=openai_classes())
+    except UnsafeFile as exc:
+        if "global dall_e." in str(exc) and importlib.util.find_spec("dall_e") is None:
+            raise ModuleNotFoundError(f"reading {os.fspath(path)!r} needs OpenAI's package (dall_e missing); install "
+                                      "it with `pip install dall-e`") from None
+        raise
     if isinstance(obj, nn.Module):
         return obj.state_dict()
-    if isinstance(obj, Mapping):
+    if isinstance(obj, Mapping) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
         return obj
     raise ValueError(f"{os.fspath(path)!r} holds a {type(obj).__name__}; expected a pickled dall_e module or a state dict")
 

@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dalle_lightning.safe_files import UnsafeFile, load_data
 from dalle_lightning_plugins.io.checkpoint_io import checkpoint_problem
 
 log = logging.getLogger("dalle_lightning.train")
@@ -50,10 +51,10 @@ def checkpoint_step(path: Path) -> int | None:
 
             saved = read_metadata(path)
         else:
-            try:  # mmap: the tensors stay on disk, only the small pickle is read
-                saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            try:  # mmap: the tensors stay on disk, only the small pickle is read (as data: weights_only)
+                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:  # an archive torch cannot map (written by an old torch)
-                saved = torch.load(path, map_location="cpu", weights_only=False)
+                saved = torch.load(path, map_location="cpu", weights_only=True)
         step = saved.get("global_step") if isinstance(saved, dict) else None
     except Exception:  # noqa: BLE001 - complete but unreadable here: it orders last, it is not dropped
         return None
@@ -183,7 +184,24 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
     problem = checkpoint_problem(path)
     if problem is not None:
         raise ValueError(f"resume={value}: {problem}; expected a complete checkpoint (resume=auto skips incomplete ones)")
+    check_data(path, f"resume={value}:")
     return str(path)
+
+
+def check_data(path: str | Path, key: str) -> None:
+    """A one-line :class:`~dalle_lightning.safe_files.UnsafeFile` (``key`` first) unless the checkpoint file
+    ``path`` loads under ``torch.load(weights_only=True)``, as every checkpoint ``dalle-train`` writes does; the
+    fit that resumes from it loads it so too (``Trainer.fit(weights_only=True)``), where a refusal would be a long
+    traceback. Sharded checkpoint directories are read by the strategy's own loader, which refuses the same way."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    try:
+        load_data(path, f"{key} checkpoint", "resume from a checkpoint dalle-train wrote", mmap=True)
+    except UnsafeFile:
+        raise
+    except RuntimeError:  # an archive torch cannot map (written by an old torch): read it whole, as data too
+        load_data(path, f"{key} checkpoint", "resume from a checkpoint dalle-train wrote")
 
 
 LAUNCH_FILE = "launch.json"  # in a run directory: when it began and the launch it belongs to (start_decision.py)

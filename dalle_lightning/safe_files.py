@@ -1,0 +1,92 @@
+"""Opening a file never runs code from it: every file a user hands in is read as data.
+
+A pickle can name any importable callable and have the reader call it; a model file passed around between users is
+the classic way to run code on someone else's machine. So every file the project opens (its model files, Lightning
+checkpoints, an open_clip weights file, OpenAI's released dVAE) goes through ``torch.load(weights_only=True)``:
+torch's restricted unpickler, which builds tensors, containers and plain values and refuses every other global.
+A refusal is one line naming the file, the global it asked for and what to do (:class:`UnsafeFile`, a
+``ValueError``, which the commands print as ``error: ...`` with exit code 2), never a pickle traceback.
+
+:func:`check_plain` is the second half: values read from a file that later code acts on (a model's building config,
+its metadata) must be plain JSON values, so that nothing but the allow-list in :mod:`dalle_lightning.model_targets`
+decides what gets built.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_GLOBAL = re.compile(r"GLOBAL (\S+?) was not an allowed global")
+
+
+class UnsafeFile(ValueError):
+    """A file that asks for more than data when opened (a global outside the allow-list, a config target that is
+    not one of the project's models). Its message is one line."""
+
+
+def refused_global(exc: BaseException) -> str | None:
+    """The global torch's restricted unpickler refused (``builtins.print``), read off its error; None for others."""
+    match = _GLOBAL.search(str(exc))
+    return match.group(1) if match else None
+
+
+def refusal(path: str | os.PathLike, name: str, what: str, fix: str) -> UnsafeFile:
+    """The one-line error for ``path`` (a ``what``), whose pickle asked for the global ``name``."""
+    return UnsafeFile(f"{what} {os.fspath(path)!r} asks for the global {name}, which could run code when opened, "
+                      f"so it was not opened; expected a file of tensors and plain values: {fix}")
+
+
+def load_data(path: str | os.PathLike, what: str = "file", fix: str = "use a file this project wrote",
+              mmap: bool = False, allowed: Iterable[Any] = ()) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, with ``allowed`` (classes) added for this call only;
+    a refused global is a one-line :class:`UnsafeFile` naming ``what`` and ``path`` and ending with ``fix``. Other
+    errors (a file that is not a torch save: torch's unpickler refuses its first byte as an unsupported operand)
+    are left to the caller, which knows what the file should be; nothing of the file ran either way."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        name = refused_global(exc)
+        if name is None:
+            raise
+        raise refusal(path, name, what, fix) from None
+
+
+def read_data(path: str | os.PathLike, what: str, fix: str, expected: str, allowed: Iterable[Any] = ()) -> Any:
+    """:func:`load_data`, with any other failure (a file that is not a torch save: pickle, zip and torch raise many
+    types) one ``ValueError`` line: ``'<path>' is not a <what> (<error type>); expected <expected>``."""
+    try:
+        return load_data(path, what, fix, allowed=allowed)
+    except UnsafeFile:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every way a foreign file fails to load is the same answer
+        raise ValueError(f"{os.fspath(path)!r} is not a {what} ({type(exc).__name__}); expected {expected}") from exc
+
+
+PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_plain(value: Any, path: str | os.PathLike, where: str) -> None:
+    """Raise a one-line :class:`UnsafeFile` unless ``value`` is a plain JSON value (str, int, float, bool, None,
+    lists of them, dicts with str keys), naming ``path`` and the first offending entry (``where`` is its key)."""
+    if isinstance(value, PLAIN_SCALARS):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, path, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UnsafeFile(f"{os.fspath(path)!r}: {where} has the key {key!r} of type {type(key).__name__}; "
+                                 "expected str keys (plain JSON values)")
+            check_plain(item, path, f"{where}.{key}")
+        return
+    raise UnsafeFile(f"{os.fspath(path)!r}: {where} holds a {type(value).__name__}; expected plain JSON values "
+                     "(str, int, float, bool, null, lists, dicts)")
