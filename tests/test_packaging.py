@@ -128,13 +128,15 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 def test_the_plugins_import_only_torch_lightning_and_themselves() -> None:
     """What the plugins import is what their distribution requires: ``torch`` and ``lightning`` (and
-    ``typing_extensions``, which both require), at any depth; images (Pillow) are ``dalle-lightning``'s."""
+    ``typing_extensions``, which both require), at any depth, in every subpackage; images (Pillow) are
+    ``dalle-lightning``'s."""
     allowed = set(sys.stdlib_module_names) | {"torch", "lightning", "typing_extensions", "dalle_lightning_plugins"}
-    paths = sorted(PLUGINS_PACKAGE.glob("*.py"))
-    assert paths
+    paths = sorted(PLUGINS_PACKAGE.rglob("*.py"))
+    assert {p.parent.name for p in paths} >= {"strategies", "precision", "compression", "io", "environments"}
     for path in paths:
         for module, _ in _imports(path):
-            assert module.split(".")[0] in allowed, f"{path.name} imports {module}"
+            where = path.relative_to(PLUGINS_PACKAGE)
+            assert module.split(".")[0] in allowed, f"{where} imports {module}; expected torch, lightning or itself"
 
 
 def test_the_callbacks_import_nothing_else_of_dalle_lightning() -> None:
