@@ -5,7 +5,9 @@ or ``Partial`` placements on the node's sub-mesh) and give what ``ddp`` gives fo
 Every value is checked against a reference computed by hand in the test process (the full model, the ranks' batches
 averaged as ddp averages them), under ``ddp`` as well as under the sharded strategy, automatic and manual
 optimization. The two-level mesh (a DTensor on one node's devices, the reduction over every node) is checked
-directly on 4 processes, 2 nodes of 2.
+directly on 4 processes, 2 nodes of 2, with the raw collectives' rule installed for the strategy's mesh only: a
+DTensor on a mesh of the user's own meets DTensor's own error, ``async_op=True`` and a ``Partial`` DTensor are
+refused in one line, and removing the rule leaves DTensor's table as it was.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch.distributed as dist
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dalle_lightning_plugins.strategies.dtensor_collectives import enable_raw_collectives, full_value
+from dalle_lightning_plugins.compat import dtensor_op_handlers
+from dalle_lightning_plugins.strategies.dtensor_collectives import RawCollectives, full_value
 from dalle_lightning_plugins.strategies.mesh import build_mesh
 from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
@@ -223,39 +227,87 @@ def test_sync_dist_and_collectives_match_ddp_by_hand(fits: dict, layout: str, mo
         assert direct["broadcast"]["rank"] == 1
 
 
+def _raised(call: Any) -> str:
+    """``type: message`` of what ``call()`` raises (the test fails if it returns)."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the type is part of what is compared
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("expected an error")
+
+
 def two_level_worker(rank: int, world_size: int) -> dict[str, Any]:
     """2 nodes of 2: a DTensor sharded over the node's devices; node n's full value is (n + 1) * base."""
     mesh = build_mesh("cpu", world_size, 2, "gloo")
     node = rank // 2
     base = torch.arange(8, dtype=torch.float32).reshape(4, 2)
     value = distribute_tensor(base * (node + 1), mesh["shard"], [Shard(0)])
+    # a user's own tensor parallelism: a mesh (and process group) of their own over the same ranks
+    theirs = distribute_tensor(base.clone(), init_device_mesh("cpu", (world_size,)), [Shard(0)])
+    torch_error = _raised(lambda: dist.all_reduce(theirs))  # DTensor's own, without the plugins' rule
     strategy = ShardedPowerSGDStrategy(devices_per_node=2)  # its collectives need no setup but the process group
     assert full_value({"v": [value]})["v"][0].equal(base * (node + 1))
-    return {
-        "mean": strategy.reduce(value.sum(), reduce_op="mean"),  # Partial on the node's sub-mesh
-        "sum": strategy.reduce(value, reduce_op="sum"),  # Shard(0)
-        "max": strategy.reduce(value.max(), reduce_op="max"),
-        "gather": strategy.all_gather(value),
-        "broadcast": strategy.broadcast(value, src=2),
-        "raw_sum": _raw_all_reduce(value),  # Shard(0)
-        "raw_partial": _raw_all_reduce(value.sum()),  # Partial
-    }
+    table = dict(dtensor_op_handlers())
+    raw = RawCollectives(mesh, "ShardedPowerSGDStrategy")
+    raw.install()
+    try:
+        out = {
+            "mean": strategy.reduce(value.sum(), reduce_op="mean"),  # Partial on the node's sub-mesh
+            "sum": strategy.reduce(value, reduce_op="sum"),  # Shard(0)
+            "max": strategy.reduce(value.max(), reduce_op="max"),
+            "gather": strategy.all_gather(value),
+            "broadcast": strategy.broadcast(value, src=2),
+            "raw_sum": _raw_all_reduce(value),  # Shard(0)
+            "raw_broadcast": _raw_broadcast(value, src=2),
+            "partial_refused": _raised(lambda: dist.all_reduce(value.sum())),
+            "async_refused": _raised(lambda: dist.all_reduce(value.detach().clone(), async_op=True)),
+            "theirs_during": _raised(lambda: dist.all_reduce(theirs)),
+            "torch_error": torch_error,
+        }
+    finally:
+        raw.uninstall()
+    out["table_restored"] = dict(dtensor_op_handlers()) == table
+    out["theirs_after"] = _raised(lambda: dist.all_reduce(theirs))
+    return out
 
 
 def _raw_all_reduce(value: DTensor) -> torch.Tensor:
-    enable_raw_collectives()
     value = value.detach().clone()
     dist.all_reduce(value)
     return full_value(value)
 
 
-def test_two_level_mesh_reduces_over_every_node() -> None:
+def _raw_broadcast(value: DTensor, src: int) -> torch.Tensor:
+    value = value.detach().clone()
+    dist.broadcast(value, src=src)
+    return full_value(value)
+
+
+@pytest.fixture(scope="module")
+def two_level() -> list[dict[str, Any]]:
+    return run_distributed(two_level_worker, 4, timeout=60, start_method="fork")
+
+
+def test_two_level_mesh_reduces_over_every_node(two_level: list[dict[str, Any]]) -> None:
     base = torch.arange(8, dtype=torch.float32).reshape(4, 2)
-    for got in run_distributed(two_level_worker, 4, timeout=60, start_method="fork"):
+    for got in two_level:
         torch.testing.assert_close(got["mean"], base.sum() * (1 + 1 + 2 + 2) / 4)
         torch.testing.assert_close(got["sum"], base * (1 + 1 + 2 + 2))
         torch.testing.assert_close(got["max"], base.max() * 2)
         torch.testing.assert_close(got["gather"], torch.stack([base, base, 2 * base, 2 * base]))
         torch.testing.assert_close(got["broadcast"], 2 * base)
         torch.testing.assert_close(got["raw_sum"], base * (1 + 1 + 2 + 2))
-        torch.testing.assert_close(got["raw_partial"], base.sum() * (1 + 1 + 2 + 2))
+        torch.testing.assert_close(got["raw_broadcast"], 2 * base)
+
+
+def test_raw_collectives_scoped_to_the_strategys_mesh(two_level: list[dict[str, Any]]) -> None:
+    """Only the strategy's own DTensors get the rule; a user's own DTensor meets DTensor's own error (torch has
+    no rule for a c10d all-reduce on a DTensor) while the rule is installed and after; nothing stays behind."""
+    for got in two_level:
+        assert "does not have a sharding strategy registered" in got["torch_error"], got["torch_error"]
+        assert got["theirs_during"] == got["torch_error"] == got["theirs_after"]
+        assert got["table_restored"]
+        for key, names in (("partial_refused", "Partial"), ("async_refused", "async_op=True")):
+            message = got[key]
+            assert "\n" not in message and names in message and "ShardedPowerSGDStrategy" in message, message
+            assert "full_tensor()" in message and "strategy.reduce" in message, message

@@ -29,7 +29,6 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("dalle_lightning", "strategies/dalle_lightning_plugins", "callbacks/dalle_lightning_callbacks",
@@ -129,7 +128,7 @@ def _owner(name: str) -> object:
     """An instance of a Lightning class (instance attributes are set in ``__init__``), or a torch module."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     makers = {
-        "ModelParallelStrategy": ModelParallelStrategy,
+        "c10d.allreduce_": lambda: torch.ops.c10d.allreduce_.default,
         "LightningModule": LightningModule,
         "LightningOptimizer": lambda: LightningOptimizer(optimizer),
         "Precision": Precision,
@@ -146,9 +145,8 @@ def _owner(name: str) -> object:
 
 # Owner -> private attributes of its instances the project uses (module-level ones are found by the scan above).
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
-    # ShardedPowerSGDStrategy.setup_environment: process group, backend, timeout and mesh of the parent class.
-    "ModelParallelStrategy": ("_setup_distributed", "_get_process_group_backend", "_timeout", "_device_mesh"),
-    # setup_environment hands the mesh to the module; ResblockScalingPrecision asks if a trainer is attached.
+    # compat.set_module_device_mesh hands the strategy's mesh to the module; ResblockScalingPrecision asks if a
+    # trainer is attached.
     "LightningModule": ("_device_mesh", "_trainer"),
     # The strategy's optimizer state and checkpoints unwrap Lightning's optimizer.
     "LightningOptimizer": ("_optimizer",),
@@ -172,8 +170,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # tests/test_strategy_like_ddp.py: FSDPState._fsdp_param_groups, _modules, _pre/_post_forward_hook_handle,
     # FSDPParam._module_info, mesh_info, sharded_param, DTensor._local_tensor).
     "torch.distributed.fsdp._fully_shard._fsdp_param": ("FSDPParam._setattr_on_modules",),
-    # ShardedPowerSGDStrategy's own precision check replaces ModelParallelStrategy's (which refuses "16-mixed").
-    "lightning.pytorch.trainer.connectors.accelerator_connector": ("_AcceleratorConnector._validate_precision_choice",),
+    # compat.op_argument: the async flag of a c10d op DTensor hands the raw collectives' rule, by its schema.
+    "c10d.allreduce_": ("_schema.arguments",),
     # dalle_lightning_callbacks.paced_checkpoint.PacedCheckpoint saves by time through its parent's own steps.
     "ModelCheckpoint": ("_last_global_step_saved", "_should_skip_saving_checkpoint", "_save_topk_checkpoint",
                         "_save_last_checkpoint", "_monitor_candidates"),

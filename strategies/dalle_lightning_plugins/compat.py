@@ -24,10 +24,24 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
-    "TORCH_VERSION",
     "HAS_REDUCE_SCATTER_UNUSED_PARAMS",
+    "TORCH_VERSION",
+    "after_closure",
+    "averaged_model",
+    "checkpoint_activations",
+    "dtensor_op_handlers",
     "fsdp_param_groups",
+    "init_dist_connection",
+    "mark_scaler_overflow",
+    "materialize_distributed_module",
+    "materialize_meta_tensors",
+    "op_argument",
+    "optimizers_to_device",
     "reduce_scatter_unused_params",
+    "register_root_pre_backward",
+    "set_module_device_mesh",
+    "subprocess_script_launcher",
+    "sync_ddp_if_available",
     "torch_version",
 ]
 
@@ -94,3 +108,119 @@ def _post_backward_with_zeros(group: Any, post_backward: Any, *args: Any) -> Any
             if param.requires_grad and param.grad is None and fsdp_param.unsharded_accumulated_grad is None:
                 param.grad = torch.zeros_like(param)
     return post_backward(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Private names of Lightning and torch the plugins still need, each behind one function here (tests/test_compat.py
+# runs every one against a reference; tests/test_lightning_internals.py checks the names exist on every tested
+# release). Why each is needed is said where it is used and in docs/plugins.md ("What the plugins rely on").
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Lightning's materialisation of a module built under ``init_module(empty_init=True)`` (meta tensors) after
+    FSDP2 sharded it: each submodule's ``reset_parameters`` on its shards, as ``ModelParallelStrategy`` does."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def materialize_meta_tensors(module: nn.Module, device: torch.device) -> None:
+    """The same for a module that is not sharded (``devices_per_node=1``)."""
+    from lightning.fabric.utilities.init import _materialize_meta_tensors
+
+    _materialize_meta_tensors(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """Every optimizer's state tensors onto ``device``, as Lightning's strategies move them after setup."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """The default process group from a cluster environment (its address, port, rank and world size), or nothing
+    if one exists: Lightning's own for every strategy, so a run starts as under ``ddp``."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """``ddp``'s ``strategy.reduce``: Lightning's all-reduce with its "mean"/"sum"/ReduceOp names and dtypes."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def subprocess_script_launcher(cluster_environment: Any, num_processes: int, num_nodes: int) -> Any:
+    """Lightning's launcher that starts the other ranks by running the script again, as ``strategy="ddp"`` does."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
+
+    return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """What ``LightningModule.device_mesh`` returns (a read-only property over ``_device_mesh``, which Lightning's
+    own strategies set), so ``configure_model`` can read the strategy's mesh."""
+    module._device_mesh = mesh
+
+
+def after_closure(precision: Any, model: Any, optimizer: Any) -> None:
+    """Lightning's ``Precision._after_closure``: ``on_before_optimizer_step`` and gradient clipping, which a
+    precision plugin runs between the closure and the optimizer's step."""
+    precision._after_closure(model, optimizer)
+
+
+def mark_scaler_overflow(scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+    """Record a non-finite gradient for ``optimizer`` in a ``GradScaler`` already unscaled for it, so its
+    ``step`` skips and ``update`` backs the scale off (``GradScaler`` has no public way to add a found Inf)."""
+    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found_inf.fill_(1.0)
+
+
+def register_root_pre_backward(root: FSDPModule, loss: torch.Tensor) -> None:
+    """FSDP2's own pre-backward hook of ``root`` on ``loss``, which its root forward registers: a loss from a
+    forward outside the root's then still reduce-scatters the root unit's gradients."""
+    root._get_fsdp_state()._register_pre_backward_hook(loss)  # type: ignore[operator]
+
+
+def dtensor_op_handlers() -> dict[Any, Any]:
+    """DTensor's table of custom op handlers (op -> ``handler(op, args, kwargs)``), consulted before sharding
+    propagation; torch's own ``loss_parallel`` adds and removes entries in it the same way."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers  # type: ignore[attr-defined]
+
+
+def op_argument(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]) -> Any:
+    """The value of the first of ``names`` among ``op``'s schema arguments in a call, its default when not
+    passed, or None when the op has no such argument (``async_op``, named ``asyncOp`` by some releases)."""
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name in names:
+            if argument.name in kwargs:
+                return kwargs[argument.name]
+            if index < len(args):
+                return args[index]
+            return argument.default_value if argument.has_default_value() else None
+    return None
+
+
+def checkpoint_activations(module: nn.Module) -> nn.Module:
+    """torch's composable activation checkpointing of one module (recomputed in backward), which FSDP2 composes
+    with; torch has it under ``torch.distributed._composable`` only."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module)
+
+
+def averaged_model(callback: Any) -> Any:
+    """The ``AveragedModel`` of a Lightning ``WeightAveraging`` callback (``EMAWeightAveraging`` too), None for any
+    other callback or before its ``setup``: the strategy shards it as the module for a fit (it has no public name)."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # a Lightning release before the callback
+        return None
+    return callback._average_model if isinstance(callback, WeightAveraging) else None

@@ -15,9 +15,16 @@ the whole world (or the ``group`` given), so a mean is the mean over every rank 
 included. Plain tensors and other objects pass through unchanged.
 
 A LightningModule may also call ``torch.distributed`` itself on a gradient, as Lightning's own manual-optimization
-tests do (``torch.distributed.all_reduce(self.layer.weight.grad.data)``); :func:`enable_raw_collectives` gives
-DTensor the rule it lacks for ``all_reduce`` and ``broadcast``, with the same meaning: the collective runs on the
-full value and each rank keeps its part of the result, so the in-place result is what ``ddp`` gives.
+tests do (``torch.distributed.all_reduce(self.layer.weight.grad.data)``). DTensor has no rule for ``all_reduce`` and
+``broadcast`` (torch raises ``does not have a sharding strategy registered``); :class:`RawCollectives` gives it one
+for the strategy's own DTensors, for one stage: installed in DTensor's table of op handlers at the stage's
+``setup_environment``, removed at its teardown (whatever was there before is put back), and acting only on DTensors
+whose mesh is the strategy's. The collective runs on the full value and each rank keeps its part of the result, so
+the in-place result is what ``ddp`` gives. Any other DTensor (a user's own tensor parallelism, another strategy's)
+meets DTensor's own behaviour, during the stage and after it. Two cases are refused in one line rather than done
+another way than asked: ``async_op=True`` (the full value is gathered and copied back, which cannot be deferred to
+the caller's ``wait()``), and a ``Partial`` DTensor (a reduction still pending: its value is split over the ranks as
+no plain tensor is).
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
+
+from dalle_lightning_plugins import compat
 
 
 def full_value(value: Any) -> Any:
@@ -43,7 +53,8 @@ def full_value(value: Any) -> Any:
 
 
 class DTensorCollectives:
-    """Mixin placed before ``ModelParallelStrategy`` in a strategy's bases (see the module docstring)."""
+    """Mixin placed before :class:`~dalle_lightning_plugins.strategies.parallel_base.ShardedParallelStrategy` in a
+    strategy's bases (see the module docstring)."""
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -60,17 +71,85 @@ class DTensorCollectives:
         # Every rank converts (the full tensor is a collective), though only ``src``'s value is sent.
         return super().broadcast(full_value(obj), src=src)  # type: ignore[misc]
 
+    def raw_collectives_for_stage(self, mesh: DeviceMesh) -> None:
+        """``torch.distributed.all_reduce``/``broadcast`` on the DTensors of ``mesh`` (the strategy's), until this
+        stage's teardown (:class:`RawCollectives`; the strategy's ``until_teardown``)."""
+        raw = RawCollectives(mesh, type(self).__name__)
+        raw.install()
+        self.until_teardown(raw.uninstall)  # type: ignore[attr-defined]
 
 
 def _local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's local tensor of a DTensor laid out as ``like`` whose full value is ``full`` (no collective:
-    every rank holds ``full``). A ``Partial`` dimension keeps the value on its first coordinate, zeros elsewhere,
-    so that the pending reduction gives ``full`` back."""
-    mesh, placements = like.device_mesh, list(like.placements)
-    keep = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(placements) if isinstance(p, Partial))
-    plain = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    local = distribute_tensor(full, mesh, plain, src_data_rank=None).to_local()
-    return local if keep else torch.zeros_like(local)
+    """This rank's local tensor of a DTensor laid out as ``like`` (no ``Partial`` placement) whose full value is
+    ``full`` (no collective: every rank holds ``full``)."""
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+ASYNC_ARGUMENT = ("async_op", "asyncOp")  # the c10d ops' flag, by the names torch releases give it
+
+
+class RawCollectives:
+    """``torch.distributed.all_reduce``/``broadcast`` on the DTensors of one mesh (a strategy's), for one stage."""
+
+    def __init__(self, mesh: DeviceMesh, owner: str) -> None:
+        self.owner = owner  # the strategy's name, for the one-line refusals
+        # The mesh and its named sub-meshes, compared as DTensor compares meshes (ranks, shape, dimension names; not
+        # process groups): DTensor's caches hand a result the equal mesh of an earlier stage, and a user's own mesh
+        # differs in its dimension names ("replicate", "shard") or its ranks.
+        self.meshes = [mesh, *(mesh[name] for name in mesh.mesh_dim_names or ())]
+        self.previous: dict[Any, Any] = {}  # op -> the handler it had before install (None: none)
+
+    @staticmethod
+    def ops() -> tuple[Any, ...]:
+        return torch.ops.c10d.allreduce_.default, torch.ops.c10d.broadcast_.default
+
+    def install(self) -> None:
+        handlers = compat.dtensor_op_handlers()
+        for op in self.ops():
+            self.previous[op] = handlers.get(op)
+            handlers[op] = self.handle
+
+    def uninstall(self) -> None:
+        """DTensor's table as it was before :meth:`install` (an entry someone set over this one meanwhile stays)."""
+        handlers = compat.dtensor_op_handlers()
+        for op, before in self.previous.items():
+            if handlers.get(op) == self.handle:
+                if before is None:
+                    del handlers[op]
+                else:
+                    handlers[op] = before
+        self.previous.clear()
+
+    def owns(self, value: DTensor) -> bool:
+        return value.device_mesh in self.meshes
+
+    def handle(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        dtensors = [t for t in args[0] if isinstance(t, DTensor)]
+        if not dtensors or not all(self.owns(t) for t in dtensors):
+            return self._as_without(op, args, kwargs)
+        name = "all_reduce" if op is self.ops()[0] else "broadcast"
+        if compat.op_argument(op, args, kwargs, ASYNC_ARGUMENT):
+            raise RuntimeError(
+                f"torch.distributed.{name}(..., async_op=True) on a DTensor {self.owner} sharded: it runs on the "
+                f"full value and cannot return before it is copied back; pass async_op=False, or use "
+                f"strategy.reduce / self.all_gather, or value.full_tensor()")
+        if any(p.is_partial() for t in dtensors for p in t.placements):
+            raise RuntimeError(
+                f"torch.distributed.{name} on a DTensor with a Partial placement ({self.owner}'s shards, a "
+                f"reduction still pending, e.g. p.grad.sum()): call value.full_tensor() first, or strategy.reduce")
+        return _on_full_values(op, args, kwargs)
+
+    def _as_without(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What DTensor does without this rule: the handler there was before, or DTensor's own dispatch again."""
+        before = self.previous.get(op)
+        if before is not None:
+            return before(op, args, kwargs)
+        handlers = compat.dtensor_op_handlers()
+        mine = handlers.pop(op)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            handlers[op] = mine
 
 
 def _on_full_values(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -78,19 +157,9 @@ def _on_full_values(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     tensors = list(args[0])
     fulls = [t.full_tensor().contiguous() if isinstance(t, DTensor) else t for t in tensors]
     _, work = op_call(fulls, *args[1:], **kwargs)
-    work.wait()  # the parts are copied out now, so the caller's wait() (if async) finds them done
+    work.wait()  # synchronous calls only (async_op=True is refused): the parts are copied out now
     with torch.no_grad():
         for t, full in zip(tensors, fulls):
             if isinstance(t, DTensor):
-                t._local_tensor.copy_(_local_part(full, t))
+                t.to_local().copy_(_local_part(full, t))
     return tensors, work
-
-
-def enable_raw_collectives() -> None:
-    """Let ``torch.distributed.all_reduce`` and ``broadcast`` take DTensors (see the module docstring).
-
-    Process-wide and idempotent: the rule is DTensor's custom-op table, which has no entry for these ops (they
-    raise ``does not have a sharding strategy registered`` without it)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in (torch.ops.c10d.allreduce_.default, torch.ops.c10d.broadcast_.default):
-        handlers.setdefault(op, _on_full_values)

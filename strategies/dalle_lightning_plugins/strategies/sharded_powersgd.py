@@ -31,38 +31,41 @@ nodes on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPo
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.init import _materialize_distributed_module, _materialize_meta_tensors
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from dalle_lightning_plugins import compat
+
 from dalle_lightning_plugins.strategies import fsdp_wiring
 from dalle_lightning_plugins.strategies.collective_failures import OneLineCollectiveFailures
-from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives, enable_raw_collectives
+from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
+from dalle_lightning_plugins.strategies.optimizer_step import AveragedOptimizerStep
+from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
+from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, check_precision  # noqa: F401 (kept names)
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.compression.exchange import ExchangeError, OverlappedExchange
-from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried, carry
+from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
+from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried
+from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards, shard_averages
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
 from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD
-from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision, find_resblocks, resolve_block_class
+from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, find_resblocks, resolve_block_class
 from dalle_lightning_plugins.io.strategy_checkpoints import ShardedCheckpointing
 from dalle_lightning_plugins.strategies.whole_weights import WholeWeightsAfterStage, refuse_whole_copy_callbacks
 
@@ -73,7 +76,8 @@ STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
 
 
-class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneLineCollectiveFailures, DTensorCollectives, ModelParallelStrategy):
+class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, AveragedOptimizerStep, OneLineCollectiveFailures,
+                              DTensorCollectives, ShardedParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
 
     Args:
@@ -214,13 +218,14 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
     @override
     def setup_environment(self) -> None:
         # As every Lightning strategy: select this rank's device first (``torch.cuda.set_device`` on CUDA), so
-        # ``devices=[2, 3]`` or an already initialised CUDA context cannot put two ranks on one GPU. The parent's
-        # setup_environment is skipped on purpose: it would build ModelParallelStrategy's own (TP) mesh.
+        # ``devices=[2, 3]`` or an already initialised CUDA context cannot put two ranks on one GPU.
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Lightning's launcher divides the cores among its processes only in the process that launches the
-            # others (after starting them): every other rank would run as many threads as there are cores.
+            # others (after starting them): every other rank would run as many threads as there are cores. For the
+            # stage only: at its teardown the count is what it was, as ddp leaves it.
+            self.until_teardown(functools.partial(torch.set_num_threads, torch.get_num_threads()))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         self._setup_distributed()
         backend = self._get_process_group_backend()
@@ -231,9 +236,10 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
             per_node = self.world_size
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, per_node, backend, self._timeout)
-        enable_raw_collectives()  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
+        if per_node > 1:  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
+            self.raw_collectives_for_stage(self._device_mesh)
 
     # ------------------------------------------------------------------ model setup
 
@@ -243,32 +249,43 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
         refuse_whole_copy_callbacks(trainer, self.device_mesh["shard"].size())
         self.accelerator.setup(trainer)
         assert self.lightning_module is not None
-        module: nn.Module = self.precision_plugin.convert_module(self.lightning_module)
+        module: nn.Module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._checkpointing = ActivationCheckpointing()  # this stage's, taken off at teardown
+        if self._root is not None and self._root.owner is not module:
+            self._root = None  # the last stage's was another module's
         known: tuple[ShardedRoot, int] | None = carried(module, SHARDED_ROOT_ATTR)
         shard_size = self.device_mesh["shard"].size()
         if known is not None:
-            # A later stage or fit of the same Trainer, or a new Trainer on the same model: FSDP2 shards a module
-            # only once, so the units made then are reused; they must be on a mesh of the same shape.
+            # A module a full_weights_after=False stage left sharded (this Trainer's or an earlier one's): FSDP2
+            # shards a module only once, so its units are reused; they must be on a mesh of the same shape.
             root, size = known
             if size != shard_size:
                 raise ValueError(
                     f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
                     f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
                 )
-            fsdp_wiring.from_plain(root)  # whole since the last stage's end (full_weights_after): shard again
+            module = self.precision_plugin.convert_module(module)
             fsdp_wiring.reshard_all(root)
-            self._find_blocks(module)
+            fsdp_wiring.hook_lightning_module(root)
+            blocks = self._find_blocks(module)
+            if fitting and self.activation_checkpointing:
+                self._checkpointing.apply(b for _, b in blocks)
             self.model = self._root = root
         else:
-            self.model = self._root = self._shard(module)
-            carry(module, SHARDED_ROOT_ATTR, (self._root, shard_size))  # for later Trainers; not pickled
-        self.inter_node.attach(module, self.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
+            self.model = self._shard(module, fitting)
+            if self.model is not module:
+                self._root = self.model  # type: ignore[assignment]
+        if fitting and isinstance(self.model, FSDPModule):
+            shard_averages(trainer, module)  # Lightning's WeightAveraging: its copy sharded as the module
+        if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
+            self.inter_node.attach(module, self.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting:
+            compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _find_blocks(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """The blocks that become FSDP units (and the overlapped exchange's buckets)."""
@@ -277,30 +294,43 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
         self._blocks = dict(blocks)
         return blocks
 
-    def _shard(self, module: nn.Module) -> ShardedRoot:
-        blocks = self._find_blocks(module)
-        if self.device_mesh["shard"].size() == 1:
+    def _shard(self, module: nn.Module, fitting: bool) -> nn.Module:
+        """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node
+        (the user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`);
+        the module itself, whole, at one device per node, and for validate, test and predict on a model that fits
+        whole (``full_weights_after``), as ``ddp`` runs them."""
+        shard_size = self.device_mesh["shard"].size()
+        if shard_size == 1 or not fitting and self._whole_stage(module, module.trainer.state.fn.value):
             # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
             # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
-            if self.activation_checkpointing:
-                for _, block in blocks:
-                    checkpoint_activations(block)
-            _materialize_meta_tensors(module, self.root_device)  # ``init_module(empty_init=True)``
+            module = self.precision_plugin.convert_module(module)
+            blocks = self._find_blocks(module)
+            if fitting and self.activation_checkpointing:
+                self._checkpointing.apply(b for _, b in blocks)
+            compat.materialize_meta_tensors(module, self.root_device)  # ``init_module(empty_init=True)``
             module.to(self.root_device)
+            if shard_size > 1:
+                return module  # a stage without training, on whole weights: the module itself, as under ddp
             fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
-            return ShardedRoot(module)
+            return ShardedRoot(module, dict(module.named_children()))
+        originals = fsdp_wiring.swap_in_stand_ins(module)  # before the precision plugin: its hooks go on them
+        module = self.precision_plugin.convert_module(module)
+        blocks = self._find_blocks(module)
+        if fitting and self.activation_checkpointing:
+            self._checkpointing.apply(b for _, b in blocks)
         root = fsdp_wiring.shard_module(
             module,
+            originals,
             [b for _, b in blocks],
             self.device_mesh["shard"],
             reshard_after_forward=self.reshard_after_forward,
             prefetch_depth=self.prefetch_depth,
-            activation_checkpointing=self.activation_checkpointing,
             mp_policy=self.mp_policy,
             block_names=self.block_names,
         )
-        _materialize_distributed_module(root, self.root_device)
+        compat.materialize_distributed_module(root, self.root_device)
         fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
+        load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
         return root
 
     @contextmanager
@@ -369,13 +399,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
             # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
             # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
             self._root.gathered_outside = False
-            self._root._get_fsdp_state()._register_pre_backward_hook(closure_loss)  # type: ignore[operator]
+            compat.register_root_pre_backward(self._root, closure_loss)
         return idle + repeated, untouched
-
-    def _take_reduction(self) -> bool:
-        """The result of this step's inter-node average: the one the backward ran, or run it now."""
-        reduced, self._reduced = self._reduced, None
-        return self.reduce_gradients() if reduced is None else reduced
 
     @contextmanager
     @override
@@ -410,74 +435,6 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
         """The ranks that share rank 0's buffers before each synchronised forward, and how many: every rank."""
         return None, self.world_size
 
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        start = time.perf_counter()
-        output = self._optimizer_step(optimizer, closure, model, **kwargs)
-        if self._exchange is not None:  # overlap="auto": every update's time, for the choice of path
-            self.inter_node.choice.record(time.perf_counter() - start, self._overlapped, self.root_device)
-        return output
-
-    def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                        model: pl.LightningModule | nn.Module | None, **kwargs: Any) -> Any:
-        # Run forward/backward first, so the inter-node average (and the skip decision) sits between the
-        # backward and the optimizer's update; the precision plugin then sees a closure that only returns.
-        self._reduced = None
-        result = closure()
-        precision = self.precision_plugin
-        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-            return self._scaled_optimizer_step(precision, optimizer, result, model, **kwargs)
-        if isinstance(precision, UnscalingPrecision):
-            # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
-            # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
-            # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
-            # collectives or none does.
-            if precision.unscale_and_flag(optimizer) and not self._take_reduction():
-                precision.mark_nonfinite()
-            return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-        if not self._take_reduction():
-            optimizer.zero_grad(set_to_none=True)
-            return result
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-
-    def _scaled_optimizer_step(self, precision: MixedPrecision, optimizer: Optimizer, result: Any,
-                               model: pl.LightningModule | nn.Module | None, **kwargs: Any) -> Any:
-        """Lightning's ``MixedPrecision`` step with its ``GradScaler``, the inter-node average in the middle.
-
-        Unscaling comes first, so PowerSGD and its error feedback see true gradients; a step skipped for a
-        non-finite gradient on any rank still goes through ``scaler.step`` and ``scaler.update``, with the
-        overflow recorded on every rank, so the scale backs off (and later grows) alike everywhere, as under ``ddp``.
-        """
-        model = model or self.lightning_module
-        assert isinstance(model, LightningModule) and precision.scaler is not None
-        if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
-            return result
-        scaler = precision.scaler
-        scaler.unscale_(optimizer)
-        if not self._take_reduction():
-            for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                found_inf.fill_(1.0)
-        precision._after_closure(model, optimizer)  # on_before_optimizer_step and clipping, on unscaled gradients
-        output = scaler.step(optimizer, **kwargs)
-        scaler.update()
-        return output
-
-    def reduce_gradients(self) -> bool:
-        """Average every local gradient shard over the replicate axis; False means skip the step (every rank).
-
-        Called once per optimizer step after the (final) backward, when FSDP has already averaged over the node.
-        """
-        assert self.lightning_module is not None
-        ok = self.inter_node.reduce(self.lightning_module, self.root_device, since=self._backward_start)
-        self.inter_node.log_stats(self.lightning_module.trainer)
-        return ok
-
     def replica_divergence(self) -> float:
         """Collective: the largest absolute difference between any shard and its copy on node 0.
 
@@ -498,6 +455,9 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
     @override
     def teardown(self) -> None:
         self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
+        checkpointing = getattr(self, "_checkpointing", None)
+        if checkpointing is not None:
+            checkpointing.remove()  # the blocks' own forward again
         self._leave_weights_whole()
         super().teardown()
 
@@ -512,46 +472,6 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, OneL
         average, replicated parameters, unused-gradient flags), which against the step time is the share of the
         step that is communication."""
         return dict(self.inter_node.figures)
-
-
-# The precision strings the strategy trains as ddp does (on CPU, Lightning itself turns "16-mixed" into "bf16-mixed",
-# as under ddp). Lightning's connector refuses "16-mixed" for every ModelParallelStrategy, naming that class and
-# Fabric; the check below replaces it for this strategy.
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
-
-
-def check_precision(precision: Any) -> None:
-    """Raise one line naming the strategy, ``precision`` and what to pass instead, unless the strategy trains in it."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"ShardedPowerSGDStrategy does not support Trainer(precision={precision!r}); pass one of "
-                         f"{', '.join(repr(p) for p in PRECISIONS)}, or a precision plugin (plugins=[...])")
-
-
-def _own_precision_check() -> None:
-    """Route Lightning's precision check for this strategy (an instance, or its registered name) to
-    :func:`check_precision`; every other strategy keeps Lightning's own."""
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
-
-    original = getattr(_AcceleratorConnector, "_validate_precision_choice", None)
-    if original is None or getattr(original, "_sharded_powersgd", False):
-        return
-
-    def _validate_precision_choice(self: Any) -> None:
-        flag = self._strategy_flag
-        if not (isinstance(flag, ShardedPowerSGDStrategy) or flag == STRATEGY_NAME):
-            return original(self)
-        check_precision(self._precision_flag)
-        self._strategy_flag = STRATEGY_NAME  # Lightning's other checks (bitsandbytes) still run, not its MP list
-        try:
-            return original(self)
-        finally:
-            self._strategy_flag = flag
-
-    _validate_precision_choice._sharded_powersgd = True  # type: ignore[attr-defined]
-    _AcceleratorConnector._validate_precision_choice = _validate_precision_choice  # type: ignore[method-assign]
-
-
-_own_precision_check()
 
 
 if STRATEGY_NAME not in StrategyRegistry:
