@@ -222,3 +222,7 @@ def saved_models(cfg: DictConfig) -> None:
                 _fail(f"callbacks.{name}.{field}.path", path,
                       f"an existing file: the trained CLIP (`dalle-train stage={stage}` writes paths.clip), or "
                       f"train without this callback ('~callbacks.{name}')")
+            if isinstance(path, str) and "rerank" in str(sub._target_):  # read as data now, not after the data
+                from dalle_lightning.artifacts import read_record
+
+                read_record(path, "clip", f"callbacks.{name}.{field}.path")

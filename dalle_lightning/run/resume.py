@@ -189,19 +189,28 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
 
 
 def check_data(path: str | Path, key: str) -> None:
-    """A one-line :class:`~dalle_lightning.safe_files.UnsafeFile` (``key`` first) unless the checkpoint file
-    ``path`` loads under ``torch.load(weights_only=True)``, as every checkpoint ``dalle-train`` writes does; the
-    fit that resumes from it loads it so too (``Trainer.fit(weights_only=True)``), where a refusal would be a long
-    traceback. Sharded checkpoint directories are read by the strategy's own loader, which refuses the same way."""
+    """A one-line ``ValueError`` (an :class:`~dalle_lightning.safe_files.UnsafeFile` for a file that asks for
+    code; ``key`` first) unless the checkpoint file ``path`` is a Lightning checkpoint of tensors and plain values,
+    as every checkpoint ``dalle-train`` writes is: it loads under ``torch.load(weights_only=True)``, as the fit that
+    resumes from it loads it (``Trainer.fit(weights_only=True)``, where a refusal would be a long traceback), and
+    its hyper-parameters name nothing to build (``_target_``, Lightning's ``_instantiator``: the project's modules
+    save neither). Sharded checkpoint directories are read by the strategy's own loader, which refuses the same way."""
     path = Path(path)
     if path.is_dir():
         return
+    what, fix = f"{key}: checkpoint", "resume from a checkpoint dalle-train wrote"
     try:
-        load_data(path, f"{key} checkpoint", "resume from a checkpoint dalle-train wrote", mmap=True)
-    except UnsafeFile:
-        raise
+        saved = load_data(path, what, fix, mmap=True)
     except RuntimeError:  # an archive torch cannot map (written by an old torch): read it whole, as data too
-        load_data(path, f"{key} checkpoint", "resume from a checkpoint dalle-train wrote")
+        saved = load_data(path, what, fix)
+    if not isinstance(saved, dict) or not isinstance(saved.get("state_dict"), dict) or "global_step" not in saved:
+        raise ValueError(f"{what} {str(path)!r} is not a Lightning checkpoint (no state_dict or global_step); "
+                         f"expected {LAST} or a periodic checkpoint of a dalle-train run")
+    hparams = saved.get("hyper_parameters")
+    builds = [k for k in ("_target_", "_instantiator", "class_path") if isinstance(hparams, dict) and k in hparams]
+    if builds:
+        raise UnsafeFile(f"{what} {str(path)!r} asks to build {hparams[builds[0]]!r} (hyper_parameters.{builds[0]}), "
+                         f"which dalle-train never writes, so it was not used; expected a checkpoint dalle-train wrote")
 
 
 LAUNCH_FILE = "launch.json"  # in a run directory: when it began and the launch it belongs to (start_decision.py)
