@@ -228,6 +228,8 @@ class OuterStep:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(state["optimizer"])
         self.since = [int(s) for s in since]
-        self.pending = [Pending(int(p["fragment"]), int(p["due"]), mean=p["mean"], own=p.get("own"))
+        device = self.global_weights[0].device if self.global_weights else None  # a checkpoint's tensors are on CPU
+        self.pending = [Pending(int(p["fragment"]), int(p["due"]), mean=p["mean"].to(device),
+                                own=None if p.get("own") is None else p["own"].to(device))
                         for p in state.get("pending", [])]
         self.syncs, self.skipped_syncs = int(state["syncs"]), int(state["skipped_syncs"])

@@ -1,8 +1,9 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), written atomically.
 
 Every rank writes its own shards in parallel (no gather of a 12B model on one rank). A checkpoint is a
-directory: the DCP files of the model, optimizer and per-rank state (PowerSGD's Q and error buffers), plus
-``meta.pt`` with the trainer's small metadata (loops, callbacks, schedulers), and last the completion marker
+directory: the DCP files of the model, optimizer and per-rank tensors (PowerSGD's Q and error buffers), plus
+``meta.pt`` with the trainer's small metadata (loops, callbacks, schedulers, the per-rank plain values: see
+``dalle_lightning_plugins.io.rank_state``), and last the completion marker
 ``complete`` (``dalle_lightning_plugins.io.checkpoint_io.checkpoint_problem`` rejects a directory without it). It is first
 written to a sibling temporary directory and renamed into place by rank 0 only after every rank has finished, so a
 crash never leaves a half-written checkpoint under the final name; a failed write (a full disk on any rank)
@@ -10,14 +11,13 @@ removes the temporary directory, keeps the previous checkpoint and raises on eve
 
 For single-device use, :func:`export_full_state_dict` gathers a live sharded module into one plain state
 dict (a collective), and :func:`checkpoint_to_full_state_dict` reads a saved checkpoint offline, in one
-process without any process group.
+process without any process group. Every read goes through ``dalle_lightning_plugins.io.dcp_reader``: the
+directory is data, and one that asks for more is refused in one line.
 """
 
 from __future__ import annotations
 
-import io
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dalle_lightning_plugins.io.atomic_files import temporary_name, torch_save, write_text
+from dalle_lightning_plugins.io.dcp_reader import load_data, read_dcp_metadata
+from dalle_lightning_plugins.io.refusal import torch_load
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "complete"  # written last into the temporary directory, before it is renamed into place
@@ -36,23 +38,8 @@ MODEL_KEY = "state_dict"
 
 
 def rank_key(name: str, rank: int) -> str:
-    """Key of a per-rank blob: DCP deduplicates equal keys across ranks, so per-rank state needs its own."""
+    """Key of a rank's own state: DCP deduplicates equal keys across ranks, so per-rank state needs its own."""
     return f"{name}_rank{rank}"
-
-
-def pack(obj: Any) -> bytes:
-    """Serialise per-rank state into one opaque blob; DCP stores bytes as-is, so its layout need not be
-    known (or even created yet, e.g. lazily built error buffers) when loading.
-
-    Through ``torch.serialization.save``, not ``torch.save``: a blob is part of a checkpoint, not a write of one,
-    and Lightning's checkpoint tests count the writes by patching ``torch.save`` (one per checkpoint, on rank 0)."""
-    buf = io.BytesIO()
-    torch.serialization.save(obj, buf)
-    return buf.getvalue()
-
-
-def unpack(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=False)
 
 
 def _barrier() -> None:
@@ -121,21 +108,25 @@ def _publish(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_sharded(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
-    """Collective: load ``state`` in place from ``path`` (tensors copied in, bytes replaced); return the metadata."""
+def load_sharded(path: str | Path, state: dict[str, Any], weights_only: bool | None = None) -> dict[str, Any]:
+    """Collective: load ``state`` in place from ``path`` (tensors copied in, other values replaced); return the
+    metadata. Read as data (:mod:`dalle_lightning_plugins.io.dcp_reader`) unless ``weights_only`` is False."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
-    dcp.load(state, checkpoint_id=path)
-    return torch.load(path / METADATA_FILENAME, weights_only=False)
+    load_data(state, path, weights_only)
+    return read_metadata(path, weights_only)
 
 
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The small metadata of a sharded checkpoint (no tensors loaded): what the loader must prepare for."""
+def read_metadata(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """The small metadata of a sharded checkpoint (no tensors loaded): what the loader must prepare for.
+
+    ``weights_only`` as ``torch.load`` takes it (None: torch's default, True since 2.6), as Lightning's own
+    sharded strategies read this file; a file that asks for more is refused in one line."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
-    return torch.load(path / METADATA_FILENAME, weights_only=False)
+    return torch_load(path / METADATA_FILENAME, path / METADATA_FILENAME, weights_only, map_location="cpu")
 
 
 def export_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -144,18 +135,24 @@ def export_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=options)  # type: ignore[return-value]
 
 
-def checkpoint_to_full_state_dict(path: str | Path, key: str = MODEL_KEY) -> dict[str, torch.Tensor]:
+def checkpoint_to_full_state_dict(path: str | Path, key: str = MODEL_KEY,
+                                  weights_only: bool | None = None) -> dict[str, torch.Tensor]:
     """Offline, single process: the full model state dict stored under ``key`` in a sharded checkpoint.
 
-    The result loads into the plain (unsharded) module with ``module.load_state_dict``.
+    The result loads into the plain (unsharded) module with ``module.load_state_dict``. Read as
+    :func:`load_sharded` reads: as data unless ``weights_only`` is False.
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(path, out)
-        everything = torch.load(out, weights_only=False)
-    if key not in everything:
-        raise KeyError(f"checkpoint {str(path)!r} has no {key!r}; found {sorted(everything)}")
-    return everything[key]
+    prefix = f"{key}."
+    stored = read_dcp_metadata(path, trust=weights_only is False).state_dict_metadata
+    whole: dict[str, Any] = {
+        name[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata)
+        else None
+        for name, md in stored.items() if name.startswith(prefix)}
+    if not whole:
+        raise KeyError(f"checkpoint {str(path)!r} has no {key!r}; found {sorted({n.split('.')[0] for n in stored})}")
+    state = {key: whole}
+    load_data(state, path, weights_only, no_dist=True)
+    return state[key]

@@ -53,10 +53,12 @@ def like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return whole.to(param.device, param.dtype)
 
 
-def gather_to_rank0(blob: bytes) -> list[bytes] | None:
-    """Collective: every rank's ``blob`` in a list by global rank on rank 0 (None on the others)."""
+def gather_to_rank0(value: Any) -> list[Any] | None:
+    """Collective: every rank's ``value`` in a list by global rank on rank 0 (None on the others).
+
+    Between the processes of one job (``gather_object`` pickles); what reaches a file is the list of values."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [blob]
+        return [value]
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(blob, out, dst=0)
+    dist.gather_object(value, out, dst=0)
     return out

@@ -14,11 +14,13 @@ strategy's module holds the Lightning glue of the step, and this one what goes t
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -39,12 +41,13 @@ from dalle_lightning_plugins.io.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
     load_sharded,
-    pack,
     rank_key,
     read_metadata,
     save_sharded,
-    unpack,
 )
+from dalle_lightning_plugins.io.dcp_reader import read_dcp_metadata
+from dalle_lightning_plugins.io.rank_state import as_data, from_legacy, join, split, template
+from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal
 from dalle_lightning_plugins.strategies.fsdp_wiring import from_plain, is_plain, to_plain
 from dalle_lightning_plugins.io.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
 
@@ -158,11 +161,16 @@ class ShardedCheckpointing:
         for key in extras:
             state[key] = checkpoint.pop(key)
         checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
-        state[rank_key(POWERSGD_KEY, self.global_rank)] = pack(self._rank_state())
+        # This rank's own state: its tensors in DCP under its own key, its plain values (with a place for each
+        # tensor) in the metadata, a list by rank (rank 0 writes the metadata).
+        skeleton, tensors = split(self._rank_state(), "the strategy's per-rank state")
+        if tensors:
+            state[rank_key(POWERSGD_KEY, self.global_rank)] = tensors
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(skeleton)
         buffers = _own_buffers(self.lightning_module, state["state_dict"])
         checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
         if buffers:
-            state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = pack(buffers)
+            state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = buffers
         save_sharded(path, state, checkpoint)
 
     def _save_full(self, checkpoint: dict[str, Any], path: _PATH) -> None:
@@ -173,27 +181,34 @@ class ShardedCheckpointing:
         for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
             checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
         checkpoint[SHARDED_EXTRAS_KEY] = extras
-        checkpoint[POWERSGD_KEY] = gather_to_rank0(pack(self._rank_state()))
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(as_data(self._rank_state(), "the strategy's per-rank state"))
         assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
         buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
-        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(pack(buffers))
+        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(buffers)
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, path)
         self.barrier("save_checkpoint")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s)."""
+        """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s).
+
+        ``weights_only`` as ``ddp`` takes it from ``Trainer.fit(..., weights_only=...)``: passed on to
+        ``torch.load`` unchanged, so None means torch's default (True since 2.6). A file that asks for more than
+        data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`)."""
         assert self.lightning_module is not None and self.powersgd is not None
         path = self.broadcast(checkpoint_path)
         if is_sharded_checkpoint(path):
-            return self._load_sharded(path)
+            return self._load_sharded(path, weights_only)
         return self._load_full(path, weights_only)
 
     def _load_full(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         assert self.lightning_module is not None and self.powersgd is not None
         module = self.lightning_module
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=False if weights_only is None else weights_only)
+        try:
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        except pickle.UnpicklingError as exc:  # torch's dozen lines, which do not name the file
+            raise refusal(path, exc) from None
         options = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
         set_model_state_dict(module, checkpoint["state_dict"], options=options)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
@@ -201,49 +216,79 @@ class ShardedCheckpointing:
             load_optimizer_state(opt, saved)
         # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
         powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
+        rank = self.global_rank
         if optimizers and isinstance(powersgd, list) and len(powersgd) == self.world_size:
-            self._load_rank_state(unpack(powersgd[self.global_rank]))
+            self._load_rank_state(self._own_part(powersgd[rank], path, f"{POWERSGD_KEY}[{rank}]", weights_only))
         if isinstance(buffers, list) and len(buffers) == self.world_size:
-            with torch.no_grad():
-                for name, value in unpack(buffers[self.global_rank]).items():
-                    module.get_buffer(name).copy_(value)
+            _copy_buffers(module, self._own_part(buffers[rank], path, f"{RANK_BUFFERS_KEY}[{rank}]", weights_only))
         params = dict(module.named_parameters())
         for key in checkpoint.pop(SHARDED_EXTRAS_KEY, []):
             checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
         return checkpoint
 
-    def _load_sharded(self, path: _PATH) -> dict[str, Any]:
+    def _load_sharded(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         assert self.lightning_module is not None and self.powersgd is not None
         module = self.lightning_module
+        # Read first on every rank, so that a directory that asks for more is refused before any collective.
+        stored = read_dcp_metadata(path, trust=weights_only is False).state_dict_metadata
+        saved = read_metadata(path, weights_only)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        key = rank_key(POWERSGD_KEY, self.global_rank)
+        key, buffers_key = rank_key(POWERSGD_KEY, self.global_rank), rank_key(RANK_BUFFERS_KEY, self.global_rank)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
         for idx, opt in enumerate(optimizers):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
-        if optimizers:
+        # Per-rank state: tensors under the rank's key and plain values in the metadata; or, as written before, one
+        # byte string under the key (read as data); another world size's: none (fresh), as in a full checkpoint.
+        skeletons = saved.pop(POWERSGD_KEY, None)
+        skeleton = skeletons[self.global_rank] if isinstance(skeletons, list) and len(skeletons) == self.world_size \
+            else None
+        legacy = key in stored
+        if optimizers and legacy:
             state[key] = b""
-        saved = read_metadata(path)
-        extras = saved.get(SHARDED_EXTRAS_KEY, [])
-        buffers_key = rank_key(RANK_BUFFERS_KEY, self.global_rank)
-        if saved.get(RANK_BUFFERS_KEY):
+        elif optimizers and skeleton is not None and template(skeleton):
+            state[key] = template(skeleton)
+        buffer_names = saved.pop(RANK_BUFFERS_KEY, None) or []
+        if buffers_key in stored:
             state[buffers_key] = b""
+        elif buffer_names and skeletons is not None and len(skeletons) == self.world_size:
+            state[buffers_key] = {n: torch.empty_like(module.get_buffer(n), device="cpu") for n in buffer_names}
+        extras = saved.get(SHARDED_EXTRAS_KEY, [])
         params = dict(module.named_parameters())
         for extra in extras:  # older checkpoints list the keys only, with an entry for every parameter
             names = extras[extra] if isinstance(extras, dict) else list(params)
             state[extra] = {n: torch.empty_like(params[n].detach()) for n in names}
-        metadata = load_sharded(path, state)
+        metadata = load_sharded(path, state, weights_only)
+        metadata.pop(POWERSGD_KEY, None)
+        metadata.pop(RANK_BUFFERS_KEY, None)
         for extra in extras:
             metadata[extra] = state[extra]
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
-        if saved.get(RANK_BUFFERS_KEY):
-            with torch.no_grad():
-                for name, value in unpack(state[buffers_key]).items():
-                    module.get_buffer(name).copy_(value)
+        if buffers_key in state:
+            _copy_buffers(module, self._own_part(state[buffers_key], path, f"key {buffers_key!r}", weights_only))
         for idx, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
-        if optimizers:
-            self._load_rank_state(unpack(state[key]))
+        if optimizers and legacy:
+            self._load_rank_state(self._own_part(state[key], path, f"key {key!r}", weights_only))
+        elif optimizers and skeleton is not None:
+            self._load_rank_state(join(skeleton, state.get(key, {})))
         return metadata
+
+    def _own_part(self, value: Any, path: _PATH, part: str, weights_only: bool | None) -> Any:
+        """Collective: this rank's own state as stored (a byte string in a checkpoint written before it was kept as
+        tensors and plain values: read as data). A refusal on any rank is raised on every rank, which would
+        otherwise go on to wait for it in training's first collective."""
+        try:
+            value, error = from_legacy(value, path, part, weights_only), None
+        except CheckpointRefused as exc:
+            error = str(exc)
+        errors: list[str | None] = [error]
+        if dist.is_initialized() and self.world_size > 1:
+            errors = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise CheckpointRefused(first)
+        return value
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -262,6 +307,13 @@ def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dic
         return {}
     return {n: b.detach().cpu().clone() for n, b in module.named_buffers()
             if n in state_dict and not isinstance(b, DTensor)}
+
+
+def _copy_buffers(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """This rank's own buffers from a checkpoint, in place (each keeps its device)."""
+    with torch.no_grad():
+        for name, value in values.items():
+            module.get_buffer(name).copy_(value)
 
 
 def _holds_dtensors(value: Any) -> bool:

@@ -1,0 +1,135 @@
+"""Reading a ``torch.distributed.checkpoint`` (DCP) directory as data: no pickle in it may run code.
+
+DCP's own ``FileSystemReader`` unpickles the directory's ``.metadata`` with plain ``pickle.load``, and its
+``DefaultLoadPlanner`` reads every non-tensor value (an optimizer's ``lr``, a counter) with
+``torch.load(weights_only=False)``: a crafted directory runs whatever it names. Here:
+
+* :func:`read_dcp_metadata` unpickles ``.metadata`` through an allow-list of what DCP writes there (its metadata
+  dataclasses, ``torch.Size``, dtypes, layouts, paths) and nothing else;
+* :class:`DataReader` is a ``FileSystemReader`` given ``.metadata`` so read;
+* :class:`DataLoadPlanner` reads non-tensor values with the ``weights_only`` the caller was given (``None``:
+  torch's default, True since 2.6), as Lightning's ``ddp`` reads a whole file.
+
+A refusal is :class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`: one line naming the directory, the
+key or file, and the global asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal, torch_load
+
+DCP_METADATA = ".metadata"
+
+# What DCP's writer pickles into ``.metadata`` besides containers and numbers, by module. Names that torch itself
+# writes into the file (two of them private to torch: the file's format, not an API these plugins call).
+_FILE_GLOBALS: dict[str, set[str]] = {
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},  # a dataclass: where a chunk lies in which file
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _metadata_classes() -> set[str]:
+    """Every dataclass and enum of ``torch.distributed.checkpoint.metadata`` (whatever this torch has)."""
+    return {name for name, obj in vars(dcp_metadata).items()
+            if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__
+            and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))}
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict a pickle ("Restricting Globals"): ``find_class`` is the one door
+    through which a pickle reaches any function or class; only DCP's metadata types pass it."""
+
+    allowed = {**_FILE_GLOBALS, dcp_metadata.__name__: _metadata_classes()}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.allowed.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not DCP metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError(f"a persistent id {str(pid)[:80]!r}, which DCP metadata never holds")
+
+
+def read_dcp_metadata(path: str | os.PathLike, trust: bool = False) -> Metadata:
+    """A DCP directory's ``.metadata`` (or that file itself), through the allow-list unless ``trust``."""
+    path = Path(path)
+    file = path / DCP_METADATA if path.is_dir() else path
+    with open(file, "rb") as stream:
+        try:
+            metadata = (pickle.Unpickler if trust else _DataUnpickler)(stream).load()
+        except pickle.UnpicklingError as exc:
+            raise refusal(file, exc) from None
+    if not isinstance(metadata, Metadata):
+        raise refusal(file, pickle.UnpicklingError(f"a {type(metadata).__name__} where DCP metadata belongs"))
+    return metadata
+
+
+class DataReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is ``metadata``, read beforehand by :func:`read_dcp_metadata`
+    (DCP's loader would take a refusal for a missing file and fall back to per-rank metadata files)."""
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class DataLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor values with the caller's ``weights_only`` (the refusal naming
+    the directory and key) and puts them where DCP's own ``load_bytes`` would: at the value's path in the state
+    (``self.mappings``, DCP's record of the nesting it flattened)."""
+
+    def __init__(self, path: str | os.PathLike, weights_only: bool | None) -> None:
+        super().__init__()
+        self._path = os.fspath(path)
+        self._weights_only = weights_only
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        decoded = torch_load(value, self._path, self._weights_only, part=f"key {key!r}")
+        if not self.flatten_state_dict:
+            self.state_dict[key] = decoded
+            return
+        *parents, last = self.mappings[key]
+        container: Any = self.original_state_dict
+        for step in parents:
+            container = container[step]
+        container[last] = decoded
+
+
+def load_data(state: dict[str, Any], path: str | os.PathLike, weights_only: bool | None, no_dist: bool = False) -> None:
+    """Collective unless ``no_dist``: ``dcp.load(state)`` from ``path`` as data (trusted if ``weights_only`` is False)."""
+    reader = DataReader(path, read_dcp_metadata(path, trust=weights_only is False))  # refused here, on every rank
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=DataLoadPlanner(path, weights_only),
+                 no_dist=no_dist)
+    except CheckpointException as exc:
+        refused = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointRefused)]
+        if refused:
+            raise refused[0] from None
+        raise

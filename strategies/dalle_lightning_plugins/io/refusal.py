@@ -1,0 +1,65 @@
+"""A checkpoint that asks for more than data is refused in one line: the file, the global it asked for, what to do.
+
+Opening a file must never run code from it. ``torch.load(weights_only=True)`` (torch's default since 2.6, which
+Lightning keeps) already refuses a pickle that names a function or class outside its allow-list, but its message
+is a dozen lines that do not name the file; a DCP directory's own ``.metadata`` is read by ``pickle`` with no
+check at all (see :mod:`dalle_lightning_plugins.io.dcp_reader`). Every load of the plugins goes through
+:func:`torch_load` or raises :class:`CheckpointRefused` itself, so a refusal reads the same wherever it happens.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from typing import Any
+
+import torch
+
+TRUST_HINT = ("open it only if you trust whoever wrote it, with weights_only=False "
+              "(Trainer.fit(ckpt_path=..., weights_only=False))")
+
+_GLOBAL = re.compile(r"(?:Unsupported global: )?GLOBAL ([\w.]+)")
+_REASON = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?:\. Please|\n|$)")
+
+
+class CheckpointRefused(pickle.UnpicklingError):
+    """A checkpoint holds something other than tensors and plain values; nothing of it ran. One line: the file, the
+    global it asked for and what to do. An ``UnpicklingError``, as torch's own refusal is, so code that catches
+    that (Lightning's callers, a user's) catches this one too."""
+
+
+def asked_for(exc: BaseException) -> str:
+    """What a refused pickle asked for, from torch's (or :mod:`~dalle_lightning_plugins.io.dcp_reader`'s) error:
+    ``"the global io.open"``, else torch's own reason in a few words."""
+    text = str(exc)
+    found = _GLOBAL.search(text)
+    if found:
+        return f"the global {found.group(1)}"
+    reason = _REASON.search(text)
+    if reason:
+        return reason.group(1).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+def refusal(path: Any, exc: BaseException, part: str = "") -> CheckpointRefused:
+    """The one-line :class:`CheckpointRefused` for ``path`` (``part``: where in it, e.g. a DCP key)."""
+    where = f"{os.fspath(path)!r}" + (f" ({part})" if part else "")
+    return CheckpointRefused(f"refusing checkpoint {where}: it asks for {asked_for(exc)}, which is not data, and "
+                             f"nothing of it ran; {TRUST_HINT}")
+
+
+def torch_load(source: Any, path: Any, weights_only: bool | None, part: str = "", **kwargs: Any) -> Any:
+    """``torch.load(source, weights_only=weights_only)``, torch's refusal turned into :func:`refusal`'s one line.
+
+    ``weights_only=None`` is passed on as None: torch then applies its own default (True since 2.6, or what
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` say), exactly as Lightning's
+    ``ddp`` loads a local file."""
+    try:
+        return torch.load(source, weights_only=weights_only, **kwargs)
+    except pickle.UnpicklingError as exc:
+        if isinstance(exc, CheckpointRefused):
+            raise
+        raise refusal(path, exc, part) from None
+
