@@ -1,0 +1,70 @@
+"""The plugins' package is laid out by kind, and docs/plugins.md's layout table says where each module is.
+
+Lightning groups its own code by kind (``strategies/``, ``plugins/precision/``, ``plugins/io/``,
+``plugins/environments/``); the plugins do the same, with a small top for the names users import. The table under
+"Layout: a folder per kind" in docs/plugins.md is the map a reader follows, so it must name every module of every
+subpackage, and no module that is gone: a module added or moved without the table fails here, naming the module
+and the row. The modules stay small enough to hold one concept each: none over 500 lines.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "strategies" / "dalle_lightning_plugins"
+DOC = ROOT / "docs" / "plugins.md"
+HEADING = "### Layout: a folder per kind"
+TOP = "(the top)"
+KINDS = {"strategies", "precision", "compression", "io", "environments"}
+MAX_LINES = 500
+
+
+def _documented() -> dict[str, set[str]]:
+    """The layout table's rows: subpackage (``TOP`` for the package itself) -> the module names its last column
+    lists."""
+    text = DOC.read_text()
+    assert HEADING in text, f"docs/plugins.md has no heading {HEADING!r}; expected the plugins' layout table there"
+    section = text.split(HEADING, 1)[1].split("\n#", 1)[0]
+    rows: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) != 3 or cells[0].startswith(("---", "`dalle_lightning_plugins.`")):
+            continue
+        kind = cells[0].strip("`")
+        assert kind not in rows, f"docs/plugins.md's layout table has two rows for {kind!r}"
+        rows[kind] = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", cells[2]))
+    return rows
+
+
+def _tree() -> dict[str, set[str]]:
+    """The package's folders as the table names them -> their modules (the top keeps ``__init__``, the names
+    users import; a subpackage's ``__init__`` only says what the kind is)."""
+    found = {TOP: {p.stem for p in PACKAGE.glob("*.py")}}
+    for folder in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
+        found[folder.name] = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    return found
+
+
+def test_the_package_has_a_subpackage_per_kind_and_nothing_deeper() -> None:
+    tree = _tree()
+    assert set(tree) - {TOP} == KINDS, f"subpackages {sorted(set(tree) - {TOP})}; expected {sorted(KINDS)}"
+    deeper = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.glob("*/*/__init__.py"))
+    assert not deeper, f"packages below a kind's folder: {deeper}; expected one level of subpackages"
+
+
+def test_the_layout_table_in_docs_plugins_names_every_module_where_it_is() -> None:
+    documented, tree = _documented(), _tree()
+    assert set(documented) == set(tree), \
+        f"docs/plugins.md's layout table has rows {sorted(documented)}; the package has {sorted(tree)}"
+    for kind, modules in tree.items():
+        missing, gone = sorted(modules - documented[kind]), sorted(documented[kind] - modules)
+        assert not missing, f"docs/plugins.md's layout row {kind!r} lacks {missing}; add each with what it holds"
+        assert not gone, f"docs/plugins.md's layout row {kind!r} names {gone}, which {kind!r} does not hold"
+
+
+def test_no_plugin_module_is_over_500_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"plugin modules over {MAX_LINES} lines: {long}; expected one concept per module"
