@@ -26,7 +26,7 @@ def _checkpoint(runs: Path, stage: str, run: str, mtime: float, sharded: bool = 
         (path / ".metadata").write_bytes(b"")
         (path / COMPLETE_MARKER).write_text("")
     else:
-        torch.save({"global_step": 1}, path)
+        torch.save({"global_step": 1, "state_dict": {}}, path)
     os.utime(path, (mtime, mtime))
     return path
 
