@@ -8,6 +8,7 @@ so the strategy's own module reads as Lightning's hook order.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
@@ -16,10 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from dalle_lightning_plugins import compat
@@ -30,36 +29,49 @@ if TYPE_CHECKING:
 
 
 class ShardedRoot(nn.Module):
-    """The FSDP root around the LightningModule.
+    """The FSDP root of a stage: stand-ins of the LightningModule's children, sharded, around its ``training_step``.
 
     Lightning calls ``training_step``, not ``forward``; FSDP's root hooks (lazy init, unsharding the root's own
     parameters, the end-of-backward callback) live on ``forward``. Lightning's forward redirection routes
-    ``training_step`` through this module's ``forward``, so the hooks run, while the LightningModule itself
-    stays a plain module (its own ``self(x)`` calls are not re-entrant FSDP calls).
+    ``training_step`` through this module's ``forward``. The LightningModule is held, not registered: FSDP2 never
+    reaches the user's module itself. Its children are registered here under their own names (so this module's
+    parameter names are the LightningModule's): for a sharded stage deep copies of them (:func:`swap_in_stand_ins`),
+    which the LightningModule holds for the stage while ``originals`` keeps the user's own children for
+    :func:`to_plain`; at one device per node the children themselves (``originals`` None: nothing is copied).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, parts: dict[str, nn.Module],
+                 originals: dict[str, nn.Module] | None = None) -> None:
         super().__init__()
-        self.module = module
         self.units_ran: dict[str, int] = {}  # block unit -> forwards since the last check (check_units_ran)
         self.gathered_outside = False  # gathered again after a backward resharded it (see gather_root_before_forward)
+        object.__setattr__(self, "owner", module)  # not a submodule: FSDP2 and state dicts never reach it
+        object.__setattr__(self, "originals", originals)
+        object.__setattr__(self, "owner_hooks", [])  # handles of hooks on the LightningModule, for this stage only
+        for name, part in parts.items():
+            self.add_module(name, part)  # a clash with an attribute above raises here, naming it
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.owner(*args, **kwargs)
+
+    def remove_owner_hooks(self) -> None:
+        """Take the strategy's hooks off the LightningModule (teardown: the module leaves as it came)."""
+        for handle in self.owner_hooks:
+            handle.remove()
+        self.owner_hooks.clear()
 
 
-# Attribute of a sharded LightningModule: (its ShardedRoot, shard-axis size). FSDP2 shards a module only once, so
-# a later fit of the same Trainer, or a new Trainer, reuses the units made for it.
+# Attribute of a LightningModule a full_weights_after=False stage left sharded: (its ShardedRoot, shard-axis size).
+# FSDP2 shards a module only once, so a later stage of the same Trainer, or a new Trainer, reuses the units.
 SHARDED_ROOT_ATTR = "_sharded_powersgd_root"
 
 
 class Carried:
     """A value a module carries from one Trainer to the next that pickling and ``deepcopy`` leave out (as ``None``).
 
-    FSDP2's state holds process groups, which neither can copy; and a copy of a module is a new model, which a
-    later Trainer shards afresh. So ``torch.save(module)`` or ``copy.deepcopy(module)`` after ``fit`` works as under
-    ``ddp``.
+    Only a module left sharded (``full_weights_after=False``) carries one: FSDP2's state holds process groups,
+    which neither can copy. A module left whole carries nothing.
     """
 
     __slots__ = ("value",)
@@ -78,6 +90,10 @@ def carried(module: nn.Module, attr: str) -> Any:
 
 
 def carry(module: nn.Module, attr: str, value: Any) -> None:
+    """Carry ``value`` under ``attr`` (see :class:`Carried`); None takes the attribute off the module."""
+    if value is None:
+        module.__dict__.pop(attr, None)
+        return
     object.__setattr__(module, attr, Carried(value))  # not a submodule: no parameters counted twice
 
 
@@ -98,21 +114,28 @@ def gather_root_before_forward(root: ShardedRoot) -> None:
     FSDP2 gathers the root unit in ``ShardedRoot.forward`` (around ``training_step``) and reshards it after each
     backward; a second forward in the same step (after ``manual_backward``, with a second optimizer, a metric on
     the updated model) would meet sharded parameters. Gathering again there reads the current shards, so it also
-    sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered.
+    sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered. The hooks
+    on the stand-ins stay with them; the one on the LightningModule is the stage's (:func:`hook_lightning_module`).
     """
     block_params = {id(p) for m in root.modules() if isinstance(m, FSDPModule) and m is not root for p in m.parameters()}
-    owned = [(m, n) for m in root.module.modules() for n, p in m.named_parameters(recurse=False)
-             if id(p) not in block_params]
-    if not owned:
-        return  # the root unit holds no parameters
-    probe = owned[0]  # FSDP2 swaps the registered parameter: a DTensor while the unit is sharded
-    for owner in {id(m): m for m in [root.module, *(m for m, _ in owned)]}.values():
-        owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root, probe))
+    owned = [(m, n) for m in root.modules() for n, p in m.named_parameters(recurse=False)
+             if m is not root and id(p) not in block_params]
+    object.__setattr__(root, "probe", owned[0] if owned else None)  # FSDP2 swaps it: a DTensor while sharded
+    for owner in {id(m): m for m, _ in owned}.values():
+        owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root))
+    hook_lightning_module(root)
 
 
-def _gather_if_sharded(root: ShardedRoot, probe: tuple[nn.Module, str], *_: Any) -> None:
-    owner, name = probe
-    if isinstance(owner._parameters[name], DTensor):
+def hook_lightning_module(root: ShardedRoot) -> None:
+    """The LightningModule's own forward (``self(x)`` in a step) gathers the root unit too, for this stage:
+    :meth:`ShardedRoot.remove_owner_hooks` takes it off at teardown."""
+    if getattr(root, "probe", None) is not None and not root.owner_hooks:
+        root.owner_hooks.append(root.owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root)))
+
+
+def _gather_if_sharded(root: ShardedRoot, *_: Any) -> None:
+    owner, name = root.probe
+    if isinstance(getattr(owner, name), DTensor):
         root.unshard()  # type: ignore[operator]
         root.gathered_outside = True
 
@@ -134,27 +157,51 @@ def prepare_for_sharding(module: nn.Module) -> set[nn.Parameter]:
     return {p for p in module.parameters() if p.dim() == 0}
 
 
+def swap_in_stand_ins(module: nn.Module) -> dict[str, nn.Module]:
+    """Give ``module`` deep copies of its children that hold parameters or buffers, for a sharded stage; return
+    the user's own children (by name), which nothing of FSDP2's ever touches.
+
+    ``fully_shard`` changes the class of each module it shards, registers hooks on it and on every module owning a
+    parameter, and marks the modules it manages; none of it has a public undo. Sharding copies instead leaves the
+    user's modules as they were, so after the stage they come back (:func:`to_plain`) with their own classes,
+    hooks and parameter objects, holding the trained values. One ``deepcopy`` of all the children keeps weights
+    tied between them tied; the LightningModule and its Trainer are not copied (a child may refer to them).
+    """
+    originals = {name: child for name, child in module.named_children()
+                 if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None}
+    memo: dict[int, Any] = {id(module): module}
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = trainer
+    for name, stand_in in copy.deepcopy(originals, memo).items():
+        setattr(module, name, stand_in)
+    return originals
+
+
 def shard_module(
     module: nn.Module,
+    originals: dict[str, nn.Module],
     blocks: Sequence[nn.Module],
     mesh: DeviceMesh,
     *,
     reshard_after_forward: bool = True,
     prefetch_depth: int = 1,
-    activation_checkpointing: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     block_names: Sequence[str] | None = None,
 ) -> ShardedRoot:
-    """Make each block an FSDP2 unit on the 1-D ``mesh`` (bottom-up), then wrap ``module`` in the root unit.
-    With ``block_names``, each block marks ``root.units_ran[name]`` when its forward runs (:func:`check_units_ran`)."""
+    """Make each block an FSDP2 unit on the 1-D ``mesh`` (bottom-up), then the root unit of ``module``'s stand-ins
+    (:func:`swap_in_stand_ins` made them; ``blocks`` are theirs). The LightningModule's own parameters (not in a
+    child) stay whole on every rank, as scalars do (:func:`prepare_for_sharding`). With ``block_names``, each block
+    marks ``root.units_ran[name]`` when its forward runs (:func:`check_units_ran`)."""
     policy = mp_policy or MixedPrecisionPolicy()
-    ignored = prepare_for_sharding(module)
+    ignored = prepare_for_sharding(module) | set(module.parameters(recurse=False))
     for block in blocks:
-        if activation_checkpointing:
-            checkpoint_activations(block)  # hook-based: keeps parameter names unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
-    root = ShardedRoot(module)
+    root = ShardedRoot(module, {name: getattr(module, name) for name in originals}, originals)
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    with torch.no_grad():  # FSDP2 moves what it manages; the LightningModule's own tensors are not under root
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor.data = tensor.data.to(mesh.device_type)
     # ddp(find_unused_parameters=True): a parameter without a gradient on this rank (a branch only some ranks
     # take) joins the reduce-scatter with zeros, so every rank sends the same buffers.
     compat.reduce_scatter_unused_params(root)  # torch's own call from 2.13
@@ -225,117 +272,72 @@ def full_parameters(root: nn.Module, reshard_after_forward: bool) -> Generator[N
             unit.set_reshard_after_forward(reshard_after_forward and unit is not root, recurse=False)
 
 
-def full_bytes(root: nn.Module) -> int:
-    """Bytes of every parameter of ``root``'s FSDP units, whole (what :func:`to_plain` puts on each rank)."""
-    units = [u for u in root.modules() if isinstance(u, FSDPModule)]
-    return sum(fp.sharded_param.numel() * fp.sharded_param.element_size() for u in units for fp in _fsdp_params(u))
-
-
-def _fsdp_params(unit: nn.Module) -> list[Any]:
-    state = unit._get_fsdp_state()  # type: ignore[operator]
-    return [fp for group in compat.fsdp_param_groups(state) for fp in group.fsdp_params]
-
-
-# Attribute of a ShardedRoot made plain by :func:`to_plain` (carried): [(unit, its FSDP class, its FSDP state, its
-# FSDPParams, its composable-API entries)].
-PLAIN_UNITS_ATTR = "_plain_units"
+def whole_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter of ``module`` whole (what :func:`to_plain` puts on each rank): a DTensor counts
+    its global size."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def is_plain(root: nn.Module) -> bool:
-    """Whether :func:`to_plain` made ``root`` whole and plain (and :func:`from_plain` has not sharded it again)."""
-    return bool(carried(root, PLAIN_UNITS_ATTR))
+    """Whether ``root``'s LightningModule holds the user's own children again (:func:`to_plain`), not the sharded
+    stand-ins (:func:`from_plain` puts those back). False for a root without stand-ins (one device per node)."""
+    originals = getattr(root, "originals", None)
+    return bool(originals) and all(getattr(root.owner, n) is child for n, child in originals.items())
 
 
-def _detach_fsdp_hooks(unit: nn.Module, state: Any, params: list[Any]) -> dict[str, Any]:
-    """Take FSDP2's hooks and composable-API entries off a unit made plain; :func:`_attach_fsdp_hooks` puts them back.
-
-    A plain module is then a single-process one, as under ``ddp``: a forward runs no unshard; ``load_state_dict``
-    runs no post-load hook expecting a DTensor (``reset_sharded_param``); pickling and ``deepcopy`` meet no local
-    closures and no ``fully_shard`` registry entry (whose function pickle cannot name).
-    """
-    state._pre_forward_hook_handle.remove()
-    state._post_forward_hook_handle.remove()
-    for group in compat.fsdp_param_groups(state):
-        for handles in (group._module_to_pre_save_state_dict_hook_handle,
-                        group._module_to_pre_load_state_dict_hook_handle):
-            for handle in handles.values():
-                handle.remove()
-            handles.clear()
-    for fp in params:
-        fp._post_load_hook_handle.remove()
-    entries: dict[str, Any] = {}
-    all_state, registry = unit.__dict__.get(STATE_KEY, {}), unit.__dict__.get(REGISTRY_KEY, {})
-    entries["state"] = {k: all_state.pop(k) for k, v in list(all_state.items()) if v is state}
-    entries["registry"] = {k: registry.pop(k) for k in list(registry) if k == "fully_shard"}
-    return entries
-
-
-def _attach_fsdp_hooks(unit: nn.Module, state: Any, params: list[Any], entries: dict[str, Any]) -> None:
-    unit.__dict__.setdefault(STATE_KEY, {}).update(entries["state"])
-    unit.__dict__.setdefault(REGISTRY_KEY, {}).update(entries["registry"])
-    for fp in params:
-        fp._post_load_hook_handle = fp._module_info.module.register_load_state_dict_post_hook(
-            functools.partial(_reset_sharded_param, fp))
-    for group in compat.fsdp_param_groups(state):
-        group._register_state_dict_hooks()
-    module = state._modules[0]
-    state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True,
-                                                                      with_kwargs=True)
-    state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
-
-
-def _reset_sharded_param(fp: Any, *args: Any, **kwargs: Any) -> None:
-    fp.reset_sharded_param()  # FSDP2's own post-load hook, as fully_shard registers it
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
 
 
 @torch.no_grad()
-def to_plain(root: nn.Module) -> None:
-    """Collective over the shard axis: every FSDP unit's parameters whole and plain (``torch.Tensor``), as ``ddp``
-    leaves a module after ``fit``; :func:`from_plain` shards them again (taking what they hold then).
+def to_plain(root: ShardedRoot) -> None:
+    """Collective over the shard axis: the LightningModule gets its own children back, holding the trained values
+    whole, as ``ddp`` leaves a module after ``fit``; :func:`from_plain` puts the sharded stand-ins back.
 
-    Each sharded parameter is gathered (``DTensor.full_tensor()``) into a new plain ``nn.Parameter`` registered in
-    its place; the units' hooks are taken off (:func:`_detach_fsdp_hooks`) and their class set back to the
-    module's own, so a forward, ``.cpu()``/``.to()``, ``load_state_dict``, ``torch.save`` or ``deepcopy`` of the
-    plain module is a single-process one, as under ``ddp``. The shards stay referenced (carried, not registered),
-    for :func:`from_plain`. Memory: the whole model on every rank.
+    Each stand-in tensor is gathered (``DTensor.full_tensor()``, one at a time: the peak is one parameter) and
+    copied into the user's tensor of the same name, so the user's parameter objects, classes and hooks are those
+    they had before the stage. A tensor the precision plugin gave another dtype for the stage (``"16-true"``)
+    takes that dtype, as ``ddp`` leaves it. The stand-ins stay with ``root`` (the optimizer's parameters).
     """
-    if is_plain(root):
+    if is_plain(root) or not getattr(root, "originals", None):
         return
     reshard_all(root)
-    plain = []
-    for unit in [u for u in root.modules() if isinstance(u, FSDPModule)]:
-        state = unit._get_fsdp_state()  # type: ignore[operator]
-        params = _fsdp_params(unit)
-        for fp in params:
-            sharded = fp.sharded_param
-            fp._setattr_on_modules(nn.Parameter(sharded.full_tensor(), requires_grad=sharded.requires_grad))
-        plain.append((unit, type(unit), state, params, _detach_fsdp_hooks(unit, state, params)))
-    for unit, cls, *_ in plain:
-        unit.__class__ = cls.__bases__[1]  # fully_shard's FSDP<Cls>(FSDPModule, Cls) -> Cls
-    carry(root, PLAIN_UNITS_ATTR, plain)
+    module = root.owner
+    for name, original in root.originals.items():
+        setattr(module, name, original)
+        if any(t.is_meta for t in original.parameters()):  # built on the meta device (init_module(empty_init=True))
+            original.to_empty(device="cpu")
+    for name, value in _named_tensors(root):
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        target = module.get_parameter(name) if isinstance(value, nn.Parameter) else module.get_buffer(name)
+        if target.dtype == whole.dtype and target.shape == whole.shape:
+            target.copy_(whole)
+        else:
+            target.data = whole.detach().to(target.device)
 
 
 @torch.no_grad()
-def from_plain(root: nn.Module) -> None:
-    """Undo :func:`to_plain` (no collective): each rank copies its shard of every plain parameter's current value
-    into the unit's sharded parameter and registers that again, so what a user did to the plain module between
-    two stages (an update, ``load_state_dict``) carries into the next ``fit``. A no-op when ``root`` is sharded."""
-    plain = carried(root, PLAIN_UNITS_ATTR)
-    if not plain:
+def from_plain(root: ShardedRoot) -> None:
+    """Undo :func:`to_plain` (no collective): the sharded stand-ins back into the LightningModule, each rank taking
+    its shard of what the user's tensors hold now, so what a user did to the plain module after a stage (an update,
+    ``load_state_dict``) is in the shards (a checkpoint saved after ``fit``). A no-op when the stand-ins are in."""
+    if not is_plain(root):
         return
-    for unit, cls, state, params, entries in plain:
-        unit.__class__ = cls
-        for fp in params:
-            info = fp._module_info
-            current = getattr(info.module, info.param_name)
-            local = fp.sharded_param._local_tensor
-            size, rank = fp.mesh_info.shard_mesh_size, fp.mesh_info.shard_mesh_rank
-            chunks = torch.chunk(current.detach(), size, dim=0)
-            if local.numel() and rank < len(chunks):
-                local.copy_(chunks[rank].to(local.device, local.dtype))
-            fp._setattr_on_modules(fp.sharded_param)
-        _attach_fsdp_hooks(unit, state, params, entries)
-    carry(root, PLAIN_UNITS_ATTR, None)
+    module = root.owner
+    current = dict(_named_tensors(module))
+    for name in root.originals:
+        setattr(module, name, getattr(root, name))
+    for name, value in _named_tensors(root):
+        source = current[name].detach().to(value.device, value.dtype)
+        if isinstance(value, DTensor):
+            source = distribute_tensor(source, value.device_mesh, value.placements, src_data_rank=None)
+        value.copy_(source)
+
+
+def release_originals(root: ShardedRoot) -> None:
+    """The module stays sharded after the stage (``full_weights_after=False``): the user's own children are dropped,
+    so that only the shards take memory; a later stage reuses the stand-ins."""
+    object.__setattr__(root, "originals", None)
 
 
 @torch.no_grad()

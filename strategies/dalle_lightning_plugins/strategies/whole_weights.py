@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.strategies.weight_averaging import whole_averages
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -28,34 +29,58 @@ FULL_WEIGHTS_MEMORY_SHARE = 0.5
 
 
 class WholeWeightsAfterStage:
-    """The strategy's end of a stage: whole plain weights where ``full_weights_after`` says so."""
+    """The strategy's end of a stage: whole plain weights where ``full_weights_after`` says so; and whether a
+    validate, test or predict stage runs on whole weights from its start, as under ``ddp``."""
 
     def _leave_weights_whole(self) -> None:
         """Collective at the end of a stage that ran to its end (never after an error: a peer may be gone): the
-        module's parameters plain and whole, as ``ddp`` leaves them (``full_weights_after``)."""
+        module's own children back, holding the whole values, as ``ddp`` leaves them (``full_weights_after``);
+        otherwise it keeps the sharded stand-ins. Either way the strategy's hooks on it come off."""
         module, root = self.lightning_module, self._root
         trainer = getattr(module, "_trainer", None)
-        if root is None or not isinstance(root, FSDPModule) or trainer is None:
-            return  # devices_per_node=1: the module is whole already
-        if trainer.state.status != TrainerStatus.RUNNING or not self._want_full_weights(root):
+        if root is not None and root.owner is module:
+            root.remove_owner_hooks()
+        if module is None or trainer is None or trainer.state.status != TrainerStatus.RUNNING:
             return
+        sharded = isinstance(root, FSDPModule) and root.owner is module and not fsdp_wiring.is_plain(root)
+        if not sharded:  # one device per node, or a stage run on the whole module
+            module.cpu()  # as ddp (Strategy.teardown): a module whole on every rank ends on the CPU
+            self.model = module
+            return
+        if not root.originals or not self._want_full_weights(module):
+            fsdp_wiring.release_originals(root)
+            fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, (root, self.device_mesh["shard"].size()))
+            return
+        whole_averages(trainer)
         fsdp_wiring.to_plain(root)
+        fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
         self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
 
-    def _want_full_weights(self, root: nn.Module) -> bool:
+    def _whole_stage(self, module: nn.Module, stage: str) -> bool:
+        """Collective: whether a validate, test or predict stage runs on the whole module, as ``ddp`` does (a step
+        may read ``self.layer.weight`` outside its block's forward): when whole weights are wanted after a stage.
+        Otherwise one line names the option."""
+        if self._want_full_weights(module):
+            return True
+        rank_zero_info(
+            f"{type(self).__name__}(full_weights_after={self.full_weights_after!r}): {stage} runs on this rank's "
+            "shards, where a step reading a parameter outside its block's forward (self.layer.weight.item()) sees "
+            f"a shard, empty on some ranks; full_weights_after=True runs {stage} on whole weights, as ddp")
+        return False
+
+    def _want_full_weights(self, module: nn.Module) -> bool:
         if self.full_weights_after is not True and self.full_weights_after is not False:  # "auto", decided once
-            self._full_weights_decision = getattr(root, "_full_weights_decision", self._full_weights_decision)
             if self._full_weights_decision is None:
-                need = fsdp_wiring.full_bytes(root)
+                need = fsdp_wiring.whole_bytes(module)
                 free = self._free_bytes_per_rank()
                 fits = torch.tensor([float(need <= FULL_WEIGHTS_MEMORY_SHARE * free)], device=self.root_device)
                 dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # every rank the same decision: it is a collective
                 self._full_weights_decision = bool(fits.item())
-                object.__setattr__(root, "_full_weights_decision", self._full_weights_decision)
                 mib = 2**20
-                rank_zero_info(  # one line per module: a later Trainer on it reuses the decision
+                rank_zero_info(  # one line per strategy
                     f"{type(self).__name__}(full_weights_after='auto'): the whole model takes {need / mib:.2f} MiB "
-                    f"against {free / mib:.0f} MiB free per rank on rank 0, so after each stage its parameters "
+                    f"against {free / mib:.0f} MiB free per rank on rank 0, so validate, test and predict run on "
+                    "whole weights and after each stage its parameters "
                     + ("are whole plain tensors, as under ddp" if self._full_weights_decision else
                        "stay sharded DTensors (full_weights_after=True forces whole ones)"))
             return self._full_weights_decision
