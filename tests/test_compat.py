@@ -138,3 +138,152 @@ def test_torch_version_reads_major_and_minor(version: str, want: tuple[int, int]
 def test_the_version_table_matches_the_installed_torch() -> None:
     """The shims test for the API, not the number; this keeps the module's table true: 2.13 brought the API."""
     assert compat.HAS_REDUCE_SCATTER_UNUSED_PARAMS == (compat.TORCH_VERSION >= (2, 13))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The private names behind compat's other functions: each function does on this release what its docstring says,
+# checked against a value worked out by hand (tests/test_lightning_internals.py checks the names themselves).
+
+
+def test_meta_tensors_are_materialised_by_their_own_reset() -> None:
+    with torch.device("meta"):
+        layer = nn.Linear(3, 2)
+    compat.materialize_meta_tensors(layer, torch.device("cpu"))
+    assert layer.weight.device.type == "cpu" and bool(layer.weight.abs().sum() > 0)
+    assert float(layer.weight.abs().max()) <= 3 ** -0.5  # nn.Linear's own init: U(-1/sqrt(in), 1/sqrt(in))
+
+
+def test_optimizer_state_moves_with_the_optimizers() -> None:
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(2)
+    optimizer.step()
+    compat.optimizers_to_device([optimizer], torch.device("meta"))
+    assert optimizer.state[param]["momentum_buffer"].device.type == "meta"
+
+
+def test_the_module_gets_the_mesh_it_reads() -> None:
+    from lightning.pytorch import LightningModule
+
+    module, mesh = LightningModule(), object()
+    compat.set_module_device_mesh(module, mesh)
+    assert module.device_mesh is mesh
+
+
+def test_a_scaler_told_of_an_overflow_skips_and_backs_off() -> None:
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
+    param.grad = torch.full((2,), 4.0)  # finite: the scaler alone would step
+    scaler.unscale_(optimizer)
+    compat.mark_scaler_overflow(scaler, optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    assert param.detach().equal(torch.ones(2)) and scaler.get_scale() == 2.0  # skipped; backoff 0.5
+
+
+def test_after_closure_runs_the_hook_and_clips() -> None:
+    import lightning.pytorch as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 1, bias=False)
+            self.hooked = 0
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.hooked += 1
+
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, gradient_clip_val=0.5,
+                        gradient_clip_algorithm="norm", enable_progress_bar=False, enable_model_summary=False)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    module.layer.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5 -> clipped to norm 0.5
+    compat.after_closure(trainer.precision_plugin, module, optimizer)
+    assert module.hooked == 1
+    torch.testing.assert_close(module.layer.weight.grad, torch.tensor([[0.3, 0.4]]), rtol=1e-4, atol=1e-6)
+
+
+def test_the_launcher_reruns_the_script_as_ddps() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    launcher = compat.subprocess_script_launcher(LightningEnvironment(), 2, 1)
+    assert launcher.num_processes == 2 and launcher.num_nodes == 1
+    assert not launcher.is_interactive_compatible  # as strategy="ddp": it runs the script again
+
+
+def test_op_argument_reads_the_async_flag_by_name() -> None:
+    op = torch.ops.c10d.allreduce_.default
+    names = ("async_op", "asyncOp")
+    position = next(i for i, a in enumerate(op._schema.arguments) if a.name in names)
+    args = tuple(range(position)) + (False,)
+    assert compat.op_argument(op, args, {}, names) is False
+    assert compat.op_argument(op, args[:position], {}, names) is True  # the schema's default
+    name = op._schema.arguments[position].name
+    assert compat.op_argument(op, args[:position], {name: False}, names) is False
+    assert compat.op_argument(op, args, {}, ("no_such_argument",)) is None
+
+
+def test_dtensor_op_handlers_is_dtensors_own_table() -> None:
+    handlers = compat.dtensor_op_handlers()
+    assert torch.ops.aten.convolution.default in handlers  # torch's own entry (a convolution over DTensors)
+    assert compat.dtensor_op_handlers() is handlers
+
+
+class Counted(nn.Linear):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x).tanh()
+
+
+def test_activation_checkpointing_recomputes_the_forward() -> None:
+    torch.manual_seed(0)
+    plain, checkpointed = nn.Linear(3, 3), Counted(3, 3)
+    checkpointed.load_state_dict(plain.state_dict())
+    compat.checkpoint_activations(checkpointed)
+    x = torch.randn(2, 3)
+    plain(x).tanh().sum().backward()
+    checkpointed(x).sum().backward()
+    assert Counted.calls == 2  # once forward, once again in backward
+    torch.testing.assert_close(checkpointed.weight.grad, plain.weight.grad)
+
+
+def _process_group_names(rank: int, world_size: int) -> dict[str, object]:
+    """compat's process-group helpers on a real world: ddp's reduce, and joining a group that exists."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    compat.init_dist_connection(LightningEnvironment(), "gloo")  # one exists: nothing happens
+    value = torch.tensor([float(rank + 1)])
+    return {"mean": compat.sync_ddp_if_available(value.clone(), None, "mean"),
+            "sum": compat.sync_ddp_if_available(value.clone(), None, "sum"),
+            "world": dist.get_world_size()}
+
+
+@pytest.mark.distributed
+def test_lightnings_reduce_and_connection_as_ddp() -> None:
+    for got in run_distributed(_process_group_names, WORLD, timeout=60, start_method="fork"):
+        assert got["world"] == WORLD
+        torch.testing.assert_close(got["mean"], torch.tensor([1.5]))  # (1 + 2) / 2
+        torch.testing.assert_close(got["sum"], torch.tensor([3.0]))
+
+
+def _materialised_shards(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        layer = nn.Linear(4, 4, bias=False)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (world_size,)))
+    compat.materialize_distributed_module(layer, torch.device("cpu"))
+    local = layer.weight.to_local()  # type: ignore[attr-defined]
+    assert local.device.type == "cpu"
+    return [float(local.abs().max()), float(local.abs().sum())]
+
+
+@pytest.mark.distributed
+def test_a_sharded_meta_module_is_materialised_on_its_shards() -> None:
+    for largest, total in run_distributed(_materialised_shards, WORLD, timeout=60, start_method="fork"):
+        assert 0 < total and largest <= 0.5  # nn.Linear's init, U(-1/sqrt(4), 1/sqrt(4)), on each rank's shard
