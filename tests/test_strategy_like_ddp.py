@@ -357,7 +357,7 @@ def test_precision_strings_train_as_ddp(results: list[dict[str, Any]], precision
                      atol=PRECISION_TOLERANCE.get(precision, 1e-6))
 
 
-@pytest.mark.parametrize("precision", ["64-true", "transformer-engine"])
+@pytest.mark.parametrize("precision", ["64-true"])  # transformer-engine: tests/test_strategy_precision.py
 def test_other_precision_strings_refused_in_one_line(precision: str) -> None:
     with pytest.raises(ValueError) as raised:
         L.Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=2), precision=precision, accelerator="cpu",

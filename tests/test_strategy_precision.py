@@ -109,3 +109,43 @@ def test_overflow_backs_off_its_block_and_powersgd_sees_unscaled_gradients() -> 
     assert set(full) == set(reference)
     for name, want in reference.items():
         torch.testing.assert_close(full[name], want, atol=2e-2, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which precisions reach the strategy: Lightning's connector is not patched (the strategy is a ParallelStrategy, not a
+# ModelParallelStrategy), so the strategy itself refuses what it never trained in, when Lightning hands it the plugin.
+
+
+def _trainer_error(strategy: Any, **kwargs: Any) -> str:
+    import lightning.pytorch as L
+
+    try:
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the type is part of what is compared
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_refused_plugin_is_refused_however_it_comes() -> None:
+    """``precision="64-true"`` and ``plugins=[DoublePrecision()]`` are one line each; a user's own plugin is not."""
+    from lightning.pytorch.plugins.precision import DoublePrecision
+
+    for kwargs in ({"precision": "64-true"}, {"plugins": [DoublePrecision()]}):
+        message = _trainer_error(ShardedPowerSGDStrategy(devices_per_node=2), **kwargs)
+        assert message.startswith("ValueError: ShardedPowerSGDStrategy does not support Trainer(precision='64-true')")
+        assert "\n" not in message and "'16-mixed'" in message
+    assert _trainer_error(ShardedPowerSGDStrategy(devices_per_node=2), plugins=[ResblockScalingPrecision("bf16")]) \
+        == "no error"
+    assert _trainer_error("local_steps", precision="64-true").startswith(
+        "ValueError: LocalStepsStrategy does not support Trainer(precision='64-true')")
+
+
+def test_transformer_engine_as_under_ddp_or_refused() -> None:
+    """Without the transformer_engine package Lightning fails to make its plugin before any strategy sees it, with
+    the same error as under ddp; with it, the strategy refuses it in one line."""
+    ours = _trainer_error(ShardedPowerSGDStrategy(devices_per_node=2), precision="transformer-engine")
+    ddp = _trainer_error("ddp", precision="transformer-engine")
+    if ddp.startswith("ModuleNotFoundError"):
+        assert ours == ddp
+    else:
+        assert ours.startswith("ValueError: ShardedPowerSGDStrategy does not support") and "\n" not in ours
