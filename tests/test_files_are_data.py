@@ -218,3 +218,31 @@ def test_every_checkpoint_and_artifact_a_run_writes_loads_as_data(resume_work: P
         assert saved["global_step"] > 0
     model, meta = load_artifact(resume_work / "data_only.pt", stage="dvae")
     assert meta["stage"] == "dvae" and sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_an_old_file_holding_more_than_data_is_refused_then_converted_once(tiny_artifacts: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """A model file whose config is a DictConfig and whose metadata holds a Path (a hand-made file, say) is refused
+    naming the global; ``python -m dalle_lightning.convert_artifact`` rewrites it as data with the same weights."""
+    from omegaconf import OmegaConf
+
+    from dalle_lightning import convert_artifact
+    from dalle_lightning.artifacts import load_artifact, load_model
+    from dalle_lightning.safe_files import UnsafeFile
+
+    blob = torch.load(tiny_artifacts / "dvae.pt", weights_only=True)
+    old = tmp_path / "old.pt"
+    torch.save({**blob, "config": OmegaConf.create(blob["config"]), "meta": {**blob["meta"], "src": tmp_path}}, old)
+    with pytest.raises(UnsafeFile, match=r"^dalle-lightning model file '.*old.pt' asks for the global omegaconf\.") as info:
+        load_model(old)
+    assert "python -m dalle_lightning.convert_artifact OLD NEW" in str(info.value)
+    assert convert_artifact.main([str(old), str(tmp_path / "new.pt")]) == 0
+    model, meta = load_artifact(tmp_path / "new.pt", stage="dvae")
+    assert meta["src"] == str(tmp_path) and meta["sha256"] == blob["meta"]["sha256"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, blob["state_dict"][name]), name
+    stranger = tmp_path / "stranger.pt"
+    torch.save({**blob, "config": stranger_config(tmp_path / "ran")}, stranger)
+    assert convert_artifact.main([str(stranger), str(tmp_path / "s.pt")]) == 2  # a target outside the allow-list
+    assert "asks to build 'builtins.open'" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "s.pt").exists()

@@ -32,6 +32,7 @@ from dalle_lightning.run.exits import Stopped, _stop_on_sigterm, lost_peer, lost
 from dalle_lightning.run.run_lock import release_all, run_id
 from dalle_lightning import hardware
 from dalle_lightning_plugins.io.atomic_files import AtomicWriteError
+from dalle_lightning_plugins.io.refusal import CheckpointRefused
 
 log = logging.getLogger("dalle_lightning")
 
@@ -66,7 +67,7 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
         try:
             return main(cfg)
         except (FileNotFoundError, ValueError, KeyError, FloatingPointError, InstantiationException,
-                AtomicWriteError) as exc:
+                AtomicWriteError, CheckpointRefused) as exc:  # the strategy's refusal of a sharded checkpoint
             if os.environ.get("DALLE_DEBUG"):
                 raise
             if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
