@@ -287,3 +287,33 @@ def _materialised_shards(rank: int, world_size: int) -> list[float]:
 def test_a_sharded_meta_module_is_materialised_on_its_shards() -> None:
     for largest, total in run_distributed(_materialised_shards, WORLD, timeout=60, start_method="fork"):
         assert 0 < total and largest <= 0.5  # nn.Linear's init, U(-1/sqrt(4), 1/sqrt(4)), on each rank's shard
+
+
+def _outside_forward(rank: int, world_size: int, register: bool) -> tuple[bool, torch.Tensor]:
+    """A loss from the unit's gathered weight outside its forward; returns whether the unit is sharded again after
+    the backward and the sharded parameter's (full) gradient."""
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2, bias=False)
+    fully_shard(net, mesh=init_device_mesh("cpu", (world_size,)))
+    x = torch.ones(3, 2)
+    net(x).sum().backward()  # FSDP2 initialises at its first forward
+    net.zero_grad()
+    net.unshard()
+    loss = torch.nn.functional.linear(x, net.weight).sum()
+    if register:
+        compat.register_root_pre_backward(net, loss)  # type: ignore[arg-type]
+    loss.backward()
+    weight = net.weight
+    grad = weight.grad.full_tensor() if hasattr(weight.grad, "full_tensor") else weight.grad
+    return hasattr(weight, "full_tensor"), grad
+
+
+@pytest.mark.distributed
+def test_the_root_pre_backward_hook_reduces_a_loss_from_outside_the_forward() -> None:
+    """Without the hook FSDP2 never runs its post-backward (the unit stays gathered, the gradient on the gathered
+    weight); with it the unit is resharded and its shard holds the gradient, by hand d(sum(x W^T))/dW = 3."""
+    [(sharded, grad)] = run_distributed(_outside_forward, 1, False, timeout=60, start_method="fork")
+    assert not sharded
+    [(sharded, grad)] = run_distributed(_outside_forward, 1, True, timeout=60, start_method="fork")
+    assert sharded
+    torch.testing.assert_close(grad, torch.full((2, 2), 3.0))

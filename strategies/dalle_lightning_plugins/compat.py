@@ -1,4 +1,11 @@
-"""What the plugins need from torch that differs between the releases they support (2.9 to 2.14).
+"""Every private torch or Lightning name the plugins need, and what differs between the torch releases they support
+(2.9 to 2.14), each behind one function of this module.
+
+The second half of the module holds the private names themselves (Lightning's meta-module materialisation, its
+process-group connection and ``reduce``, its launcher, ``LightningModule._device_mesh``, ``Precision._after_closure``,
+a ``GradScaler``'s found-Inf record, FSDP2's root pre-backward hook, DTensor's op-handler table, an op's schema,
+torch's composable activation checkpointing): one place to look when a release renames one, each function saying
+why it is needed and tested in ``tests/test_compat.py`` against a value worked out by hand. The first half:
 
 The plugins require ``torch>=2.9`` (``strategies/pyproject.toml`` says why that is the floor: the newest public
 API they call, ``init_device_mesh(backend_override=)``). Where a torch API the strategy calls is newer than the
