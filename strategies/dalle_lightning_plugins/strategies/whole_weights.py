@@ -56,6 +56,14 @@ class WholeWeightsAfterStage:
         fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
         self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
 
+    def __getstate__(self) -> dict:
+        """A pickled strategy (``torch.save(trainer)`` after ``fit``, as under ``ddp``) leaves out the last stage's
+        sharded stand-ins: FSDP2 makes their classes per process, which pickle cannot name; the module holds the
+        weights."""
+        state = super().__getstate__()  # type: ignore[misc]
+        state.update(_root=None, _blocks={}, _checkpointing=None)
+        return state
+
     def _whole_stage(self, module: nn.Module, stage: str) -> bool:
         """Collective: whether a validate, test or predict stage runs on the whole module, as ``ddp`` does (a step
         may read ``self.layer.weight`` outside its block's forward): when whole weights are wanted after a stage.
