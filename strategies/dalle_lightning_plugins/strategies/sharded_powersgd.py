@@ -454,12 +454,14 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
 
     @override
     def teardown(self) -> None:
-        self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
-        checkpointing = getattr(self, "_checkpointing", None)
-        if checkpointing is not None:
-            checkpointing.remove()  # the blocks' own forward again
-        self._leave_weights_whole()
-        super().teardown()
+        try:
+            self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
+            checkpointing = getattr(self, "_checkpointing", None)
+            if checkpointing is not None:
+                checkpointing.remove()  # the blocks' own forward again
+            self._leave_weights_whole()
+        finally:
+            super().teardown()  # the stage's own installs are undone even if the weights could not be made whole
 
     @override
     def on_train_end(self) -> None:
