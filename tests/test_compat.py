@@ -317,3 +317,21 @@ def test_the_root_pre_backward_hook_reduces_a_loss_from_outside_the_forward() ->
     [(sharded, grad)] = run_distributed(_outside_forward, 1, True, timeout=60, start_method="fork")
     assert sharded
     torch.testing.assert_close(grad, torch.full((2, 2), 3.0))
+
+
+def test_averaged_model_is_the_weight_averaging_callbacks_copy() -> None:
+    """``WeightAveraging._average_model``: None before the callback's setup and for other callbacks; after it, the
+    ``AveragedModel`` holding a copy of the module (what the strategy shards for a fit)."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+    from torch.optim.swa_utils import AveragedModel
+
+    module = L.LightningModule()
+    module.layer = nn.Linear(2, 2)
+    callback = EMAWeightAveraging()
+    assert compat.averaged_model(callback) is None
+    callback.setup(None, module, "fit")  # type: ignore[arg-type]
+    averaged = compat.averaged_model(callback)
+    assert isinstance(averaged, AveragedModel) and averaged.module.layer.weight is not module.layer.weight
+    torch.testing.assert_close(averaged.module.layer.weight, module.layer.weight)
+    assert compat.averaged_model(ModelCheckpoint()) is None

@@ -152,24 +152,17 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "LightningOptimizer": ("_optimizer",),
     # ResblockScalingPrecision.optimizer_step and the strategy's GradScaler step run Lightning's hooks and clipping.
     "Precision": ("_after_closure",),
-    # dalle_lightning_callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters.
-    "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch"),
+    # dalle_lightning_callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters;
+    # compat.averaged_model: the strategy shards Lightning's averaged copy as the module for a fit.
+    "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch", "_average_model"),
     # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
     "GradScaler": ("_per_optimizer_states",),
     # dalle_lightning_plugins.strategies.mesh: the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
-    # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients; the gather hook reads which
-    # parameter object a module holds (FSDP2 swaps sharded and gathered ones).
+    # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients.
     "torch.distributed.fsdp": ("FSDPModule._get_fsdp_state",),
-    "torch.distributed.fsdp._fully_shard._fsdp_state": ("FSDPState._register_pre_backward_hook",
-                                                         "FSDPState._pre_forward", "FSDPState._post_forward"),
-    "Module": ("_parameters",),
-    # fsdp_wiring.to_plain / from_plain (full_weights_after): whole plain parameters after a stage, the units'
-    # forward hooks off, then sharded again (instance attributes they also use, exercised by
-    # tests/test_strategy_like_ddp.py: FSDPState._fsdp_param_groups, _modules, _pre/_post_forward_hook_handle,
-    # FSDPParam._module_info, mesh_info, sharded_param, DTensor._local_tensor).
-    "torch.distributed.fsdp._fully_shard._fsdp_param": ("FSDPParam._setattr_on_modules",),
+    "torch.distributed.fsdp._fully_shard._fsdp_state": ("FSDPState._register_pre_backward_hook",),
     # compat.op_argument: the async flag of a c10d op DTensor hands the raw collectives' rule, by its schema.
     "c10d.allreduce_": ("_schema.arguments",),
     # dalle_lightning_callbacks.paced_checkpoint.PacedCheckpoint saves by time through its parent's own steps.
@@ -194,20 +187,15 @@ def test_private_name_exists(owner: str, name: str) -> None:
         value = getattr(value, part)
 
 
-# FSDP2's instance attributes the strategy reads or sets (fsdp_wiring.to_plain/from_plain, full_bytes; the
-# ``reduce_scatter_unused_params`` fallback of dalle_lightning_plugins.compat), checked on a real unit, on
-# every tested torch. Dotted names are checked part by part. The parameter groups' own attribute moved in 2.13
+# FSDP2's instance attributes the plugins read or set (the ``reduce_scatter_unused_params`` fallback and the
+# root's pre-backward hook of dalle_lightning_plugins.compat; whole weights after a stage use public APIs only),
+# checked on a real unit, on every tested torch. Dotted names are checked part by part. The parameter groups' own attribute moved in 2.13
 # (``_fsdp_param_group`` -> ``_fsdp_param_groups``): compat.fsdp_param_groups reads either, and
 # test_fsdp2_parameter_groups_are_found checks that the one of the installed release exists.
 FSDP2_INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
-    "FSDPState": ("_modules", "_pre_forward_hook_handle", "_post_forward_hook_handle", "_pre_forward",
-                  "_post_forward", "_register_pre_backward_hook"),
-    "FSDPParamGroup": ("fsdp_params", "post_backward", "reduce_grads", "_module_to_pre_save_state_dict_hook_handle",
-                       "_module_to_pre_load_state_dict_hook_handle", "_register_state_dict_hooks"),
-    "FSDPParam": ("_module_info.module", "_module_info.param_name", "mesh_info.shard_mesh_size",
-                  "mesh_info.shard_mesh_rank", "sharded_param._local_tensor", "_setattr_on_modules",
-                  "_post_load_hook_handle", "reset_sharded_param", "unsharded_accumulated_grad", "_unsharded_param",
-                  "unsharded_param"),
+    "FSDPState": ("_register_pre_backward_hook",),
+    "FSDPParamGroup": ("fsdp_params", "post_backward", "reduce_grads"),
+    "FSDPParam": ("unsharded_accumulated_grad", "_unsharded_param", "unsharded_param"),
 }
 
 
