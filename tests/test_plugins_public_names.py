@@ -39,7 +39,8 @@ PROBE = """
 import importlib, json, sys
 names = json.loads(sys.argv[1])
 top = importlib.import_module("dalle_lightning_plugins")
-report = {"all": sorted(top.__all__), "missing": [], "elsewhere": {}}
+report = {"all": sorted(top.__all__), "missing": [], "elsewhere": {},
+          "unresolved": [n for n in top.__all__ if not hasattr(top, n)]}
 for name, module in names.items():
     try:
         exec(f"from dalle_lightning_plugins import {name} as obj", {}, scope := {})
@@ -65,5 +66,6 @@ def test_every_name_the_top_exported_before_the_layout_still_imports_from_the_to
     assert report["missing"] == [], "names users import from dalle_lightning_plugins that no longer import:\n" + \
         "\n".join(report["missing"])
     assert report["elsewhere"] == {}, f"the top's name is not the object its module defines: {report['elsewhere']}"
+    assert report["unresolved"] == [], f"dalle_lightning_plugins.__all__ lists {report['unresolved']}, absent from it"
     lost = sorted(set(BEFORE_THE_LAYOUT) - set(report["all"]))
     assert not lost, f"dalle_lightning_plugins.__all__ lost {lost}; expected every name it listed before the layout"
