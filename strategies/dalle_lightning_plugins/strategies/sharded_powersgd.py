@@ -238,6 +238,10 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, per_node, backend, self._timeout)
+        exchange = self.inter_node.exchange
+        if exchange is not None:  # the overlapped exchange's own groups, this stage's only
+            for group in (exchange.p_group, exchange.q_group):
+                self.until_teardown(functools.partial(dist.destroy_process_group, group))
         if per_node > 1:  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
             self.raw_collectives_for_stage(self._device_mesh)
 
