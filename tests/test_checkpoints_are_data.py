@@ -4,8 +4,8 @@ for more is refused in one line (the file, the global it asked for, what to do),
 A stranger's own LightningModule (a residual MLP of its own, SGD with momentum) on 2 gloo processes as 2 nodes of 1
 device, PowerSGD at rank 1, so every rank's error buffers and Q are real per-rank state. Each format the strategy
 writes loads with ``torch.load(weights_only=True)`` (full) or the DCP reader (sharded), and a fit resumed from it
-(from a different initialisation) ends bit-equal to the uninterrupted fit; so does a checkpoint in the layout written
-before (each rank's state a ``torch.save``'d byte string). Crafted files carry a ``__reduce__`` that would create a
+(from a different initialisation) ends bit-equal to the uninterrupted fit; so do checkpoints of both formats in the
+layout written before (each rank's state a ``torch.save``'d byte string, read as data). Crafted files carry a ``__reduce__`` that would create a
 marker file: in the full file, in a legacy per-rank blob, in a sharded checkpoint's metadata file, in DCP's own
 ``.metadata`` and in a DCP value. The marker is never created.
 """
@@ -13,6 +13,7 @@ marker file: in the full file, in a legacy per-rank blob, in a sharded checkpoin
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -33,13 +34,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dalle_lightning_plugins.io.dcp_checkpoint import (
+    COMPLETE_MARKER,
     METADATA_FILENAME,
     checkpoint_to_full_state_dict,
     load_sharded,
     read_metadata,
     save_sharded,
 )
-from dalle_lightning_plugins.io.dcp_reader import read_dcp_metadata
+from dalle_lightning_plugins.io.dcp_reader import load_data, read_dcp_metadata
 from dalle_lightning_plugins.io.rank_state import as_data, join, split, template
 from dalle_lightning_plugins.io.refusal import CheckpointRefused
 from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
@@ -140,12 +142,34 @@ def _craft(work: Path, full: Path, marker: Path) -> dict[str, Path]:
              "blob_payload": work / "blob-payload.ckpt", "meta_payload": work / "meta-payload.ckpt"}
     torch.save(legacy, files["legacy"])
     torch.save({**saved, "stranger": Payload(marker)}, files["full_payload"])
+    files["trusted"] = work / "trusted.ckpt"  # the same, opened with weights_only=False: the user's call, honoured
+    torch.save({**saved, "stranger": Payload(work / "trusted-marker")}, files["trusted"])
     evil_blob = _blob({**saved["powersgd"][1], "stranger": Payload(marker)})  # rank 1's only: every rank refuses
     torch.save({**legacy, "powersgd": [legacy["powersgd"][0], evil_blob]}, files["blob_payload"])
+    files["legacy_sharded"] = _legacy_sharded(work / "sharded.ckpt", work / "legacy-sharded.ckpt")
     shutil.copytree(work / "sharded.ckpt", files["meta_payload"])
     meta = torch.load(files["meta_payload"] / METADATA_FILENAME, weights_only=True)
     torch.save({**meta, "stranger": Payload(marker)}, files["meta_payload"] / METADATA_FILENAME)
     return files
+
+
+def _legacy_sharded(new: Path, old: Path) -> Path:
+    """``new`` in the sharded layout written before: each rank's state one byte string under its key in DCP, whole
+    tensors (written offline, as one process; DCP reshards them on load)."""
+    stored = read_dcp_metadata(new).state_dict_metadata
+    flat = {k: torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+            for k, v in stored.items()}
+    load_data(flat, new, weights_only=True, no_dist=True)
+    meta = torch.load(new / METADATA_FILENAME, weights_only=True)
+    for rank, skeleton in enumerate(meta.pop("powersgd")):
+        prefix = f"powersgd_rank{rank}."
+        tensors = {k.removeprefix(prefix): flat.pop(k) for k in list(flat) if k.startswith(prefix)}
+        flat[f"powersgd_rank{rank}"] = _blob(join(skeleton, tensors))
+    assert not meta["rank_buffers"]  # the stranger's model has no buffers
+    dcp.save(flat, checkpoint_id=old, no_dist=True)
+    torch.save(meta, old / METADATA_FILENAME)
+    (old / COMPLETE_MARKER).write_text("")
+    return old
 
 
 def _worker(rank: int, world_size: int, work_dir: str) -> dict[str, Any]:
@@ -163,8 +187,16 @@ def _worker(rank: int, world_size: int, work_dir: str) -> dict[str, Any]:
     out["resumed_full"] = _fit(rank, _sharded("full"), seed=7, ckpt_path=full, weights_only=True)
     out["resumed_sharded"] = _fit(rank, _sharded("sharded"), seed=7, ckpt_path=sharded)
     out["resumed_legacy"] = _fit(rank, _sharded("full"), seed=7, ckpt_path=crafted["legacy"])
+    out["resumed_legacy_sharded"] = _fit(rank, _sharded("sharded"), seed=7, ckpt_path=crafted["legacy_sharded"])
     out["refused"] = {name: _refusal(lambda p=crafted[name]: _fit(rank, _sharded(), ckpt_path=p))
                       for name in ("full_payload", "blob_payload", "meta_payload")}
+    # Trusted by the user: Lightning 2.6 does not pass Trainer.fit(weights_only=False) on to a strategy that restores
+    # after setup (its own FSDP neither), so torch's own switch, which the refusal names, is the way in.
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        out["trusted"] = _fit(rank, _sharded("full"), seed=7, ckpt_path=crafted["trusted"], weights_only=False)
+    finally:
+        del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
     ddp = DDPStrategy(process_group_backend="gloo")
     out["ddp_refused"] = _refusal(lambda: _fit(rank, ddp, ckpt_path=crafted["full_payload"]))
     dist.barrier()
@@ -189,7 +221,8 @@ def test_strategy_checkpoints_are_data_and_payloads_are_refused_in_one_line(tmp_
     assert len(read_metadata(sharded, weights_only=True)["powersgd"]) == WORLD
 
     for r in results:  # bit-equal resumes
-        for name in ("resumed_full", "resumed_sharded", "resumed_legacy", "straight_sharded"):
+        for name in ("resumed_full", "resumed_sharded", "resumed_legacy", "resumed_legacy_sharded", "straight_sharded",
+                     "trusted"):
             assert r[name].keys() == r["straight"].keys()
             bad = [k for k in r["straight"] if not torch.equal(r[name][k], r["straight"][k])]
             assert not bad, f"{name}: {bad} differ from the uninterrupted fit"
@@ -201,11 +234,12 @@ def test_strategy_checkpoints_are_data_and_payloads_are_refused_in_one_line(tmp_
         for name, (path, part) in expected.items():
             kind, message = r["refused"][name]
             assert kind == "CheckpointRefused" and "\n" not in message, (name, kind, message)
-            assert f"'{path}'" in message and "the global io.open" in message and "weights_only=False" in message
+            assert f"'{path}'" in message and "the global io.open" in message and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in message
             assert part in message, (name, message)
         kind, message = r["ddp_refused"]
         assert kind == "UnpicklingError" and "io.open" in message  # ddp refuses the same file (in many lines)
     assert not any(r["marker"] for r in results) and not (tmp_path / "marker").exists()
+    assert (tmp_path / "trusted-marker").exists()  # the user's trust is honoured
 
 
 # ------------------------------------------------------------------------------ one process: the pieces
@@ -233,6 +267,8 @@ def test_sharded_reader_refuses_a_payload_in_every_part(tmp_path: Path) -> None:
     with pytest.raises(CheckpointRefused, match="the global io.open"):
         checkpoint_to_full_state_dict(dcp_meta)
     assert not marker.exists()
+    load_sharded(meta, template(), weights_only=False)  # the caller trusts the file: read as torch reads it
+    assert marker.exists()
 
     state = template()  # the same layout without the payload loads, bytes and all
     assert load_sharded(save_sharded(tmp_path / "good.ckpt", good, {"global_step": 1}), state) == {"global_step": 1}

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-TRUST_HINT = ("open it only if you trust whoever wrote it, with weights_only=False "
-              "(Trainer.fit(ckpt_path=..., weights_only=False))")
+# Lightning 2.6 drops Trainer.fit(weights_only=...) for strategies that restore after setup (its FSDP, this one):
+# torch's own switch, read when weights_only is None, is what reaches the load there.
+TRUST_HINT = ("open it only if you trust whoever wrote it: weights_only=False, or for Trainer.fit(ckpt_path=...) "
+              "the environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1")
 
 _GLOBAL = re.compile(r"(?:Unsupported global: )?GLOBAL ([\w.]+)")
 _REASON = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?:\. Please|\n|$)")

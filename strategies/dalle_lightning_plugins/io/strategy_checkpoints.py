@@ -9,6 +9,11 @@ strategy's module holds the Lightning glue of the step, and this one what goes t
 * ``"sharded"``: ``torch.distributed.checkpoint`` directories, every rank its own shards
   (:mod:`dalle_lightning_plugins.io.dcp_checkpoint`).
 * Either form, or a ``ddp`` file, resumes a run.
+
+Both are data: each rank's own state is tensors and plain values (:mod:`dalle_lightning_plugins.io.rank_state`),
+never a pickled blob, so a full file loads with ``torch.load(weights_only=True)`` and a directory through
+:mod:`dalle_lightning_plugins.io.dcp_reader`. Loading takes ``weights_only`` from ``Trainer.fit`` as ``ddp`` does,
+and a file that asks for more is refused in one line (:mod:`dalle_lightning_plugins.io.refusal`).
 """
 
 from __future__ import annotations
@@ -193,9 +198,11 @@ class ShardedCheckpointing:
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s).
 
-        ``weights_only`` as ``ddp`` takes it from ``Trainer.fit(..., weights_only=...)``: passed on to
-        ``torch.load`` unchanged, so None means torch's default (True since 2.6). A file that asks for more than
-        data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`)."""
+        ``weights_only`` as ``ddp`` takes it: passed on to ``torch.load`` unchanged, so None means torch's default
+        (True since 2.6, or what ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). Lightning 2.6 passes
+        ``Trainer.fit(weights_only=...)`` on only to strategies that restore before setup (``ddp``); this one, as its
+        own FSDP and ModelParallel strategies, restores after setup and is called with None. A file that asks for
+        more than data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`)."""
         assert self.lightning_module is not None and self.powersgd is not None
         path = self.broadcast(checkpoint_path)
         if is_sharded_checkpoint(path):
