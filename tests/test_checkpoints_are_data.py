@@ -3,11 +3,12 @@ for more is refused in one line (the file, the global it asked for, what to do),
 
 A stranger's own LightningModule (a residual MLP of its own, SGD with momentum) on 2 gloo processes as 2 nodes of 1
 device, PowerSGD at rank 1, so every rank's error buffers and Q are real per-rank state. Each format the strategy
-writes loads with ``torch.load(weights_only=True)`` (full) or the DCP reader (sharded), and a fit resumed from it
-(from a different initialisation) ends bit-equal to the uninterrupted fit; so do checkpoints of both formats in the
-layout written before (each rank's state a ``torch.save``'d byte string, read as data). Crafted files carry a ``__reduce__`` that would create a
-marker file: in the full file, in a legacy per-rank blob, in a sharded checkpoint's metadata file, in DCP's own
-``.metadata`` and in a DCP value. The marker is never created.
+writes loads with ``torch.load(weights_only=True)`` (full) or the DCP reader (sharded), a full checkpoint is one
+``torch.save`` (under either of its names), and a fit resumed from either (from another initialisation) ends bit-equal
+to the uninterrupted fit; so do checkpoints of both formats in the layout written before (each rank's state a
+``torch.save``'d byte string, read as data). Crafted files carry a ``__reduce__`` that would create a marker file: in
+the full file, in a legacy per-rank blob, in a sharded checkpoint's metadata file, in DCP's own ``.metadata`` and in
+a DCP value. The marker is never created, unless the user says they trust the file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 import os
 import pickle
 import shutil
+from unittest import mock
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from dalle_lightning_plugins.io.dcp_checkpoint import (
     save_sharded,
 )
 from dalle_lightning_plugins.io.dcp_reader import load_data, read_dcp_metadata
-from dalle_lightning_plugins.io.rank_state import as_data, join, split, template
+from dalle_lightning_plugins.io.rank_state import as_data, from_wire, join, split, template, to_wire
 from dalle_lightning_plugins.io.refusal import CheckpointRefused
 from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
@@ -94,11 +96,23 @@ class Classifier(L.LightningModule):
 
 
 class SaveAfterFirstEpoch(Callback):
+    """Saves after epoch 0, counting this process's ``torch.save`` calls under either of torch's names for it
+    (``torch.save`` is ``torch.serialization.save``): a checkpoint is one write, not one plus blobs under an alias."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.saves = 0
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.current_epoch == 0:
+        if trainer.current_epoch != 0:
+            return
+        save = torch.save
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.saves += 1
+            return save(*args, **kwargs)
+
+        with mock.patch.object(torch, "save", counted), mock.patch.object(torch.serialization, "save", counted):
             trainer.save_checkpoint(self.path)
 
 
@@ -109,14 +123,16 @@ def _data(rank: int) -> DataLoader:
     return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, WORLD, rank, shuffle=False))
 
 
-def _fit(rank: int, strategy: Any, *, seed: int = 0, save: Path | None = None, **fit: Any) -> dict[str, torch.Tensor]:
+def _fit(rank: int, strategy: Any, *, seed: int = 0, save: SaveAfterFirstEpoch | None = None,
+         **fit: Any) -> dict[str, torch.Tensor]:
     """Two epochs (resumed from ``fit["ckpt_path"]`` if given); the whole weights afterwards."""
     module = Classifier(seed)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=[SaveAfterFirstEpoch(save)] if save else [])
+                        use_distributed_sampler=False, callbacks=[save] if save else [])
     trainer.fit(module, _data(rank), **fit)
-    return {n: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for n, v in module.state_dict().items()}
+    return {n: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for n, v in module.state_dict().items()}
 
 
 def _sharded(fmt: str = "full") -> ShardedPowerSGDStrategy:
@@ -177,8 +193,10 @@ def _worker(rank: int, world_size: int, work_dir: str) -> dict[str, Any]:
     work = Path(work_dir)
     marker = work / "marker"
     full, sharded = work / "full.ckpt", work / "sharded.ckpt"
-    out: dict[str, Any] = {"straight": _fit(rank, _sharded("full"), save=full),
-                           "straight_sharded": _fit(rank, _sharded("sharded"), save=sharded)}
+    saving = SaveAfterFirstEpoch(full)
+    out: dict[str, Any] = {"straight": _fit(rank, _sharded("full"), save=saving),
+                           "straight_sharded": _fit(rank, _sharded("sharded"), save=SaveAfterFirstEpoch(sharded)),
+                           "saves": saving.saves}
     files = [_craft(work, full, marker) if rank == 0 else None]
     dist.broadcast_object_list(files, src=0)
     crafted = files[0]
@@ -219,6 +237,7 @@ def test_strategy_checkpoints_are_data_and_payloads_are_refused_in_one_line(tmp_
     per_rank = {k: v for k, v in stored.items() if k.startswith(("powersgd_rank", "rank_buffers_rank"))}
     assert per_rank and all(isinstance(v, TensorStorageMetadata) for v in per_rank.values()), per_rank
     assert len(read_metadata(sharded, weights_only=True)["powersgd"]) == WORLD
+    assert [r["saves"] for r in results] == [1, 0]  # one write per full checkpoint, on rank 0, as under ddp
 
     for r in results:  # bit-equal resumes
         for name in ("resumed_full", "resumed_sharded", "resumed_legacy", "resumed_legacy_sharded", "straight_sharded",
@@ -234,7 +253,8 @@ def test_strategy_checkpoints_are_data_and_payloads_are_refused_in_one_line(tmp_
         for name, (path, part) in expected.items():
             kind, message = r["refused"][name]
             assert kind == "CheckpointRefused" and "\n" not in message, (name, kind, message)
-            assert f"'{path}'" in message and "the global io.open" in message and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in message
+            assert f"'{path}'" in message and "the global io.open" in message
+            assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in message  # what to do
             assert part in message, (name, message)
         kind, message = r["ddp_refused"]
         assert kind == "UnpicklingError" and "io.open" in message  # ddp refuses the same file (in many lines)
@@ -263,7 +283,8 @@ def test_sharded_reader_refuses_a_payload_in_every_part(tmp_path: Path) -> None:
         with pytest.raises(CheckpointRefused) as refused:
             load()
         message = str(refused.value)
-        assert "\n" not in message and message.startswith(f"refusing checkpoint {where}: it asks for the global io.open")
+        assert "\n" not in message
+        assert message.startswith(f"refusing checkpoint {where}: it asks for the global io.open"), message
     with pytest.raises(CheckpointRefused, match="the global io.open"):
         checkpoint_to_full_state_dict(dcp_meta)
     assert not marker.exists()
@@ -272,7 +293,8 @@ def test_sharded_reader_refuses_a_payload_in_every_part(tmp_path: Path) -> None:
 
     state = template()  # the same layout without the payload loads, bytes and all
     assert load_sharded(save_sharded(tmp_path / "good.ckpt", good, {"global_step": 1}), state) == {"global_step": 1}
-    assert state["optimizer_0"]["param_groups"][0]["lr"] == 0.1 and torch.equal(state["state_dict"]["w"], torch.arange(4.0))
+    assert state["optimizer_0"]["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(state["state_dict"]["w"], torch.arange(4.0))
 
 
 def test_dcp_metadata_reads_through_the_allow_list_as_pickle_reads_it(tmp_path: Path) -> None:
@@ -293,8 +315,8 @@ def test_dcp_metadata_reads_through_the_allow_list_as_pickle_reads_it(tmp_path: 
 
 
 def test_per_rank_state_is_tensors_and_plain_values() -> None:
-    """Split for DCP and joined back equal, every tensor a CPU copy; anything else is refused at the save, in one
-    line naming its place."""
+    """Split for DCP and joined back equal, every tensor a CPU copy, and so across the wire as raw bytes (every
+    dtype, 0-d and empty tensors); anything else is refused at the save, in one line naming its place."""
     live = torch.arange(6.0).reshape(2, 3)
     state = {"q": {"blocks.0.fc1.weight": live}, "step": 3, "medians": (1.5, None), "times": {True: [0.1]},
              "counts": torch.zeros(0, dtype=torch.int64), "numpy_float": np.float64(2.0)}
@@ -308,6 +330,9 @@ def test_per_rank_state_is_tensors_and_plain_values() -> None:
     buf = io.BytesIO()
     torch.save(as_data(state), buf)
     buf.seek(0)
+    wired = from_wire(*to_wire({**state, "bf16": torch.ones(3, dtype=torch.bfloat16), "flag": torch.tensor(True)}))
+    assert torch.equal(wired["q"]["blocks.0.fc1.weight"], live) and wired["bf16"].dtype == torch.bfloat16
+    assert wired["flag"].shape == () and bool(wired["flag"]) and wired["counts"].shape == (0,)
     reloaded = torch.load(buf, weights_only=True)  # numpy's float64 became a float: no numpy global in the file
     assert reloaded["step"] == 3 and type(reloaded["numpy_float"]) is float
     with pytest.raises(TypeError, match=r"^state\['q'\]\['x'\] is a pathlib.PosixPath; per-rank checkpoint state"):

@@ -123,7 +123,8 @@ class DataLoadPlanner(DefaultLoadPlanner):
 
 
 def load_data(state: dict[str, Any], path: str | os.PathLike, weights_only: bool | None, no_dist: bool = False) -> None:
-    """Collective unless ``no_dist``: ``dcp.load(state)`` from ``path`` as data (trusted if ``weights_only`` is False)."""
+    """Collective unless ``no_dist``: ``dcp.load(state)`` from ``path`` as data (trusted if ``weights_only`` is
+    False)."""
     reader = DataReader(path, read_dcp_metadata(path, trust=weights_only is False))  # refused here, on every rank
     try:
         dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=DataLoadPlanner(path, weights_only),

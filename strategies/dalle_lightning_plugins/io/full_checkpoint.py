@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from dalle_lightning_plugins.io.rank_state import as_data, from_wire, to_wire
+
 
 def optimizer_state_by_index(state: dict[str, Any]) -> dict[str, Any]:
     """Name-keyed optimizer state (``get_optimizer_state_dict``) -> ``optimizer.state_dict()``'s numbering."""
@@ -53,10 +55,18 @@ def like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return whole.to(param.device, param.dtype)
 
 
-def gather_to_rank0(value: Any) -> list[Any] | None:
-    """Collective: every rank's ``value`` in a list by global rank on rank 0 (None on the others).
+def gather_to_rank0(value: Any, where: str = "state") -> list[Any] | None:
+    """Collective: every rank's ``value`` (tensors and plain values: :func:`~dalle_lightning_plugins.io.rank_state.
+    as_data`) in a list by global rank on rank 0 (None on the others). On the wire as plain values and raw tensor
+    bytes (``to_wire``): ``gather_object`` pickles, and a pickled tensor goes through ``torch.save``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [as_data(value, where)]
+    wired = gather_plain_to_rank0(to_wire(value, where))
+    return None if wired is None else [from_wire(skeleton, raw) for skeleton, raw in wired]
 
-    Between the processes of one job (``gather_object`` pickles); what reaches a file is the list of values."""
+
+def gather_plain_to_rank0(value: Any) -> list[Any] | None:
+    """Collective: every rank's ``value`` (plain values only, no tensors) in a list by global rank on rank 0."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -12,6 +12,9 @@ Everything the plugins write then loads with ``torch.load(weights_only=True)`` (
   each tensor is a reference ``{TENSOR_REF: name, "shape": [...], "dtype": "float32"}``: enough to give DCP
   somewhere to load it, although the state's layout (lazily built buffers) is not known before the load.
 
+:func:`to_wire` / :func:`from_wire` carry a state between ranks (a full checkpoint gathers every rank's on rank 0) as
+a skeleton and raw bytes: no tensor is pickled, so nothing but the checkpoint's own write calls ``torch.save``.
+
 Checkpoints written before held each rank's state as one ``torch.save``'d byte string; :func:`from_legacy` reads it
 as data (it held only data) and refuses it in one line if it asks for more.
 """
@@ -111,6 +114,29 @@ def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         return {k: join(v, tensors) for k, v in skeleton.items()}
     return skeleton
+
+
+def to_wire(state: Any, where: str = "state") -> tuple[Any, bytes]:
+    """(skeleton, the tensors' raw bytes one after another): a state to send to another rank as plain values and
+    bytes, so that no tensor is pickled (pickle writes each tensor's storage with ``torch.save``)."""
+    skeleton, tensors = split(state, where)
+    raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    return skeleton, torch.cat(raw).numpy().tobytes() if raw else b""
+
+
+def from_wire(skeleton: Any, raw: bytes) -> Any:
+    """The state :func:`to_wire` sent."""
+    shapes = template(skeleton)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    tensors, start = {}, 0
+    for name in sorted(shapes, key=int):
+        like = shapes[name]
+        size = like.numel() * like.element_size()
+        tensors[name] = flat[start:start + size].clone().view(like.dtype).reshape(like.shape)
+        start += size
+    if start != flat.numel():
+        raise ValueError(f"{flat.numel()} bytes of per-rank tensors, the skeleton describes {start}")
+    return join(skeleton, tensors)
 
 
 def from_legacy(value: Any, path: Any, part: str, weights_only: bool | None) -> Any:

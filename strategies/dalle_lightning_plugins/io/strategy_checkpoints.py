@@ -51,10 +51,16 @@ from dalle_lightning_plugins.io.dcp_checkpoint import (
     save_sharded,
 )
 from dalle_lightning_plugins.io.dcp_reader import read_dcp_metadata
-from dalle_lightning_plugins.io.rank_state import as_data, from_legacy, join, split, template
+from dalle_lightning_plugins.io.rank_state import from_legacy, join, split, template
 from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal
 from dalle_lightning_plugins.strategies.fsdp_wiring import from_plain, is_plain, to_plain
-from dalle_lightning_plugins.io.full_checkpoint import gather_to_rank0, like, load_optimizer_state, optimizer_state_by_index
+from dalle_lightning_plugins.io.full_checkpoint import (
+    gather_plain_to_rank0,
+    gather_to_rank0,
+    like,
+    load_optimizer_state,
+    optimizer_state_by_index,
+)
 
 POWERSGD_KEY = "powersgd"
 OVERLAP_CHOICE_KEY = "overlap_choice"  # overlap="auto"'s schedule and decision, inside each rank's state
@@ -171,7 +177,7 @@ class ShardedCheckpointing:
         skeleton, tensors = split(self._rank_state(), "the strategy's per-rank state")
         if tensors:
             state[rank_key(POWERSGD_KEY, self.global_rank)] = tensors
-        checkpoint[POWERSGD_KEY] = gather_to_rank0(skeleton)
+        checkpoint[POWERSGD_KEY] = gather_plain_to_rank0(skeleton)
         buffers = _own_buffers(self.lightning_module, state["state_dict"])
         checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
         if buffers:
@@ -186,10 +192,10 @@ class ShardedCheckpointing:
         for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
             checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
         checkpoint[SHARDED_EXTRAS_KEY] = extras
-        checkpoint[POWERSGD_KEY] = gather_to_rank0(as_data(self._rank_state(), "the strategy's per-rank state"))
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(self._rank_state(), "the strategy's per-rank state")
         assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
         buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
-        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(buffers)
+        checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(buffers, "the rank's buffers")
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, path)
         self.barrier("save_checkpoint")
