@@ -2,8 +2,9 @@
 
 The wheel of ``dalle-lightning-plugins`` is built as ``make dist`` builds it (an sdist from a clean tree, the wheel
 from the sdist) and installed into a new virtual environment (no system site-packages, no ``.pth`` path to this
-one) with torch and torchvision at the Makefile's pins (torchvision for the ResNet only) and Lightning in the range
-the plugins require, from the package index. There none of the DALL-E dependencies import, ``pip check`` is clean
+one) as a user adds it to their own: torch and torchvision first, at the Makefile's pins (torchvision for the
+ResNet only), then the wheel with Lightning in the range the plugins require, from the package index, which leaves
+that torch and torchvision as they were. There none of the DALL-E dependencies import, ``pip check`` is clean
 and importing the plugins prints nothing, even with warnings as errors. Then ``tests/stranger_project/train.py``, a
 project written apart from this one (it imports torch, torchvision, Lightning and ``dalle_lightning_plugins``
 only), run from a folder outside the repository, trains a torchvision ResNet-18 on random images and a plain MLP:
@@ -15,6 +16,9 @@ only), run from a folder outside the repository, trains a torchvision ResNet-18 
   the plugin lands as close to fp32 as Lightning's mixed precision does.
 
 The environment is built once per session (about a minute and a half on 2 cores, most of it installing torch).
+Its torch is the Makefile's ``TORCH_SPEC`` (the newest supported); ``FRESH_ENV_TORCH_SPEC`` names another, such as
+the oldest the plugins support: ``FRESH_ENV_TORCH_SPEC="torch==2.9.1 torchvision==0.24.1"`` (docs/results.md has
+both runs).
 """
 
 from __future__ import annotations
@@ -60,15 +64,25 @@ def _run(*args: str | Path, cwd: Path, timeout: float = 600) -> subprocess.Compl
     return proc
 
 
-def _requirements() -> list[str]:
-    torch_spec = re.search(r"^TORCH_SPEC \?= (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+def _torch_spec() -> list[str]:
+    """torch and torchvision: ``FRESH_ENV_TORCH_SPEC``, else the Makefile's pins."""
+    return os.environ.get("FRESH_ENV_TORCH_SPEC", "").split() or \
+        re.search(r"^TORCH_SPEC \?= (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+
+
+def _lightning_spec() -> list[str]:
     lean = tomllib.loads((ROOT / "strategies" / "pyproject.toml").read_text())["project"]["dependencies"]
-    return torch_spec + [r for r in lean if r.startswith("lightning")]
+    return [r for r in lean if r.startswith("lightning")]
+
+
+TORCH_VERSION = "import importlib.metadata as m; print(m.version('torch'), m.version('torchvision'))"
 
 
 class FreshEnv:
-    def __init__(self, root: Path, python: Path, timings: dict[str, float]) -> None:
+    def __init__(self, root: Path, python: Path, timings: dict[str, float], torch_before: str,
+                 torch_after: str) -> None:
         self.root, self.python, self.timings = root, python, timings
+        self.torch_before, self.torch_after = torch_before, torch_after
         self.bin = python.parent
         self.outside = root / "stranger"  # a folder outside the repository, holding the stranger's script only
         self.outside.mkdir()
@@ -77,6 +91,7 @@ class FreshEnv:
 
 @pytest.fixture(scope="session")
 def fresh_env(tmp_path_factory: pytest.TempPathFactory) -> FreshEnv:
+    """A user's environment with their torch (and its torchvision), into which the plugins' wheel then goes."""
     root = tmp_path_factory.mktemp("fresh_env")
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -85,10 +100,13 @@ def fresh_env(tmp_path_factory: pytest.TempPathFactory) -> FreshEnv:
     start = time.perf_counter()
     venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(root / "venv")
     python = root / "venv" / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--quiet", *_requirements(), wheel, cwd=root, timeout=900)
+    _run(python, "-m", "pip", "install", "--quiet", *_torch_spec(), cwd=root, timeout=900)
+    before = _run(python, "-c", TORCH_VERSION, cwd=root).stdout.strip()
+    _run(python, "-m", "pip", "install", "--quiet", *_lightning_spec(), wheel, cwd=root, timeout=900)
+    after = _run(python, "-c", TORCH_VERSION, cwd=root).stdout.strip()
     timings["create_and_install_s"] = time.perf_counter() - start
-    print(f"fresh environment: {json.dumps(timings)}")
-    return FreshEnv(root, python, timings)
+    print(f"fresh environment (torch, torchvision: {after}): {json.dumps(timings)}")
+    return FreshEnv(root, python, timings, before, after)
 
 
 def test_the_strangers_script_imports_only_torch_torchvision_lightning_and_the_plugins() -> None:
@@ -115,6 +133,8 @@ def test_the_environment_has_torch_lightning_and_the_plugins_only(fresh_env: Fre
                  "print('sharded_powersgd' in StrategyRegistry)", cwd=cwd).stdout.split()
     assert where[0].startswith(str(fresh_env.root / "venv")) and where[1:] == [
         "ShardedPowerSGDStrategy", "ResblockScalingPrecision", "True"]
+    # the plugins went in beside the user's torch and torchvision, and left both as they were
+    assert fresh_env.torch_after == fresh_env.torch_before, (fresh_env.torch_before, fresh_env.torch_after)
     listed = _run(py, "-m", "pip", "list", "--format=json", cwd=cwd).stdout
     names = {d["name"].lower().replace("_", "-") for d in json.loads(listed)}
     assert "dalle-lightning-plugins" in names and "dalle-lightning" not in names

@@ -33,6 +33,9 @@ TOP_LEVEL = {"dalle-lightning": ["dalle_lightning", "dalle_lightning_callbacks"]
              "dalle-lightning-plugins": ["dalle_lightning_plugins"]}
 # distribution -> the project names its wheel's .dist-info folder and the sdist's top folder carry
 PROJECT_NAME = {"dalle-lightning": "dalle_lightning", "dalle-lightning-plugins": "dalle_lightning_plugins"}
+# distribution -> the folder that holds each top-level package's folder in the repository
+SOURCES = {"dalle-lightning": {"dalle_lightning": ROOT, "dalle_lightning_callbacks": ROOT / "callbacks"},
+           "dalle-lightning-plugins": {"dalle_lightning_plugins": ROOT / "strategies"}}
 
 
 def _run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -82,6 +85,25 @@ def test_each_wheel_installs_names_of_its_own_and_no_tests(dists: dict[str, Dist
     with tarfile.open(dists["dalle-lightning"].sdist) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     assert {"callbacks/dalle_lightning_callbacks/ema.py", "conf/train.yaml", "dalle_lightning/demo.py"} <= names
+
+
+@pytest.mark.slow
+def test_each_wheel_holds_every_module_of_every_subpackage(dists: dict[str, Dist]) -> None:
+    """The packages are laid out by kind (the plugins' strategies/, precision/, compression/, io/, environments/;
+    dalle_lightning's run/ beside cli/), and each subpackage is a package the pyproject must declare: one left out
+    builds a wheel without it, which imports nowhere but a checkout. Every module of the source tree is in its
+    wheel, and the wheel holds no module the tree does not."""
+    for name, dist in dists.items():
+        source = {f"{top}/{p.relative_to(folder / top).as_posix()}" for top, folder in SOURCES[name].items()
+                  for p in (folder / top).rglob("*.py") if "__pycache__" not in p.parts}
+        with zipfile.ZipFile(dist.wheel) as z:
+            shipped = {f for f in z.namelist() if f.endswith(".py")}
+        assert not source - shipped, f"{dist.wheel.name} lacks {sorted(source - shipped)}; declare their packages"
+        assert not shipped - source, f"{dist.wheel.name} holds {sorted(shipped - source)}, which the tree does not"
+    lean = zipfile.ZipFile(dists["dalle-lightning-plugins"].wheel).namelist()
+    kinds = {"strategies", "precision", "compression", "io", "environments"}
+    assert {f"dalle_lightning_plugins/{k}/__init__.py" for k in kinds} <= set(lean)
+    assert "dalle_lightning/run/__init__.py" in zipfile.ZipFile(dists["dalle-lightning"].wheel).namelist()
 
 
 @pytest.mark.slow
