@@ -38,7 +38,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous(resume
     assert errors[0].startswith(f"error: could not write checkpoint '{last}' (File too large)")
     assert "the previous checkpoint is kept" in errors[0]
     assert checkpoint_problem(last) is None
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 2  # the one before the full disk
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2  # the one before the full disk
     assert _leftovers(run_dir / "checkpoints") == []
     assert not (tmp_path / "dvae.pt").exists()
 
@@ -47,7 +47,7 @@ def test_checkpoint_io_writes_beside_the_target_and_fails_whole(tmp_path: Path) 
     io = AtomicCheckpointIO()
     target = tmp_path / "last.ckpt"
     io.save_checkpoint({"step": 1}, target)
-    assert torch.load(target, weights_only=False) == {"step": 1}
+    assert torch.load(target, weights_only=True) == {"step": 1}
 
     class Unpicklable:
         def __reduce__(self):
@@ -55,7 +55,7 @@ def test_checkpoint_io_writes_beside_the_target_and_fails_whole(tmp_path: Path) 
 
     with pytest.raises(CheckpointWriteError, match=rf"could not write checkpoint '{target}' \(No space left on device\)"):
         io.save_checkpoint({"step": 2, "big": torch.zeros(1000), "bad": Unpicklable()}, target)
-    assert torch.load(target, weights_only=False) == {"step": 1} and _leftovers(tmp_path) == []
+    assert torch.load(target, weights_only=True) == {"step": 1} and _leftovers(tmp_path) == []
 
 
 def test_sharded_writer_marks_completion_last_and_cleans_up_on_failure(tmp_path: Path) -> None:

@@ -153,7 +153,9 @@ def _craft(work: Path, full: Path, marker: Path) -> dict[str, Path]:
     """Rank 0: the legacy-layout and crafted files, made from the strategy's own checkpoints."""
     saved = torch.load(full, weights_only=True)
     legacy = {**saved, "powersgd": [_blob(s) for s in saved["powersgd"]],
-              "rank_buffers": [_blob(b) for b in saved["rank_buffers"]]}
+              "rank_buffers": [_blob(b) for b in saved["rank_buffers"]],
+              # plain values naming a stranger's callable: data, which a fit never builds (under ddp neither)
+              "hyper_parameters": {"_target_": "builtins.open", "file": str(marker), "mode": "w"}}
     files = {"legacy": work / "legacy.ckpt", "full_payload": work / "full-payload.ckpt",
              "blob_payload": work / "blob-payload.ckpt", "meta_payload": work / "meta-payload.ckpt"}
     torch.save(legacy, files["legacy"])
