@@ -41,7 +41,8 @@ _FILE_GLOBALS: dict[str, set[str]] = {
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},  # a dataclass: where a chunk lies in which file
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    **{module: {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+       for module in ("pathlib", "pathlib._local")},  # the checkpoint id; Python 3.13 names the second module
     "collections": {"OrderedDict"},
 }
 

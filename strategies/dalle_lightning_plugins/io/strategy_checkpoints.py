@@ -12,8 +12,9 @@ strategy's module holds the Lightning glue of the step, and this one what goes t
 
 Both are data: each rank's own state is tensors and plain values (:mod:`dalle_lightning_plugins.io.rank_state`),
 never a pickled blob, so a full file loads with ``torch.load(weights_only=True)`` and a directory through
-:mod:`dalle_lightning_plugins.io.dcp_reader`. Loading takes ``weights_only`` from ``Trainer.fit`` as ``ddp`` does,
-and a file that asks for more is refused in one line (:mod:`dalle_lightning_plugins.io.refusal`).
+:mod:`dalle_lightning_plugins.io.dcp_reader`. Loading passes on the ``weights_only`` it is given, as ``ddp`` does
+(None: torch's default, True), and a file that asks for more is refused in one line
+(:mod:`dalle_lightning_plugins.io.refusal`).
 """
 
 from __future__ import annotations
@@ -256,10 +257,11 @@ class ShardedCheckpointing:
         skeleton = skeletons[self.global_rank] if isinstance(skeletons, list) and len(skeletons) == self.world_size \
             else None
         legacy = key in stored
+        tensors = template(skeleton) if skeleton is not None else {}
         if optimizers and legacy:
             state[key] = b""
-        elif optimizers and skeleton is not None and template(skeleton):
-            state[key] = template(skeleton)
+        elif optimizers and tensors:
+            state[key] = tensors
         buffer_names = saved.pop(RANK_BUFFERS_KEY, None) or []
         if buffers_key in stored:
             state[buffers_key] = b""
