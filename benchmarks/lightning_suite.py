@@ -107,7 +107,16 @@ SELECTED_IDS = [
     "tests_pytorch/trainer/test_dataloaders.py::test_distributed_sampler_without_global_seed",
 ]
 
-DEFAULT_IDS = KNOWN_IDS + SELECTED_IDS
+# Lightning's own weight averaging under data parallelism (issue 66: it crashed at its first update under the
+# strategy at devices_per_node > 1), a plain fit and one resumed after a crash.
+WEIGHT_AVERAGING_IDS = [
+    "tests_pytorch/callbacks/test_weight_averaging.py::test_ema_ddp",
+    "tests_pytorch/callbacks/test_weight_averaging.py::test_ema_ddp_spawn",
+    "tests_pytorch/callbacks/test_weight_averaging.py::test_ema_ddp_spawn_cpu",
+    "tests_pytorch/callbacks/test_weight_averaging.py::test_ema_resume_ddp",
+]
+
+DEFAULT_IDS = KNOWN_IDS + SELECTED_IDS + WEIGHT_AVERAGING_IDS
 
 # Lightning's registered names for plain DDPStrategy with the popen or spawn launcher ("ddp_fork"/"ddp_notebook",
 # whose fork launcher the strategy does not offer, are kept).

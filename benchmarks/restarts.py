@@ -109,8 +109,8 @@ def log_lines(out: Path, teardown: bool = True) -> list[int]:
 def same(a: Path, b: Path) -> bool:
     import torch
 
-    x = torch.load(a, map_location="cpu", weights_only=False)
-    y = torch.load(b, map_location="cpu", weights_only=False)
+    x = torch.load(a, map_location="cpu", weights_only=True)
+    y = torch.load(b, map_location="cpu", weights_only=True)
     x, y = x.get("state_dict", x), y.get("state_dict", y)
     return all(torch.equal(x[k], v) for k, v in y.items() if torch.is_tensor(v))
 

@@ -304,7 +304,9 @@ def test_raw_collectives_scoped_to_the_strategys_mesh(two_level: list[dict[str, 
     """Only the strategy's own DTensors get the rule; a user's own DTensor meets DTensor's own error (torch has
     no rule for a c10d all-reduce on a DTensor) while the rule is installed and after; nothing stays behind."""
     for got in two_level:
-        assert "does not have a sharding strategy registered" in got["torch_error"], got["torch_error"]
+        # torch's own refusal, whose words differ by release ("does not have a sharding strategy registered" on
+        # 2.14, "found no DeviceMesh from dtensor args" on 2.9): both name the op
+        assert "c10d.allreduce_" in got["torch_error"], got["torch_error"]
         assert got["theirs_during"] == got["torch_error"] == got["theirs_after"]
         assert got["table_restored"]
         for key, names in (("partial_refused", "Partial"), ("async_refused", "async_op=True")):

@@ -80,7 +80,7 @@ def test_requeued_job_of_a_two_job_sweep_continues_from_its_own_checkpoint(
             proc.wait()
     assert (sweep / "0" / "dvae.pt").is_file() and not (sweep / "1" / "dvae.pt").exists()
     interrupted = sweep / "1" / "checkpoints" / "last.ckpt"
-    assert torch.load(interrupted, map_location="cpu", weights_only=False)["global_step"] == 2
+    assert torch.load(interrupted, map_location="cpu", weights_only=True)["global_step"] == 2
     (sweep / "1" / "flag.go").touch()
 
     # The requeue: the same job again (its overrides, its sweep directory and its job directory), as SLURM reruns it.
@@ -88,4 +88,4 @@ def test_requeued_job_of_a_two_job_sweep_continues_from_its_own_checkpoint(
     (log,) = (sweep / "1").glob("*.log")  # the job's log (Hydra's job logging), the requeued run's lines included
     assert f"resuming from {interrupted}" in log.read_text()
     assert (sweep / "1" / "dvae.pt").is_file()
-    assert torch.load(interrupted, map_location="cpu", weights_only=False)["global_step"] == 6
+    assert torch.load(interrupted, map_location="cpu", weights_only=True)["global_step"] == 6

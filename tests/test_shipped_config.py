@@ -81,7 +81,7 @@ def _job(sweep: Path, compile_: bool, dtype: str) -> dict:
                 for key, value in row.items():
                     if value not in ("", None) and key != "step":
                         per_step.setdefault(key, {})[int(row["step"])] = float(value)
-            weights = torch.load(run / "prior.pt", map_location="cpu", weights_only=False)["state_dict"]
+            weights = torch.load(run / "prior.pt", map_location="cpu", weights_only=True)["state_dict"]
             return {"metrics": blob["metrics"], "per_step": per_step, "weights": weights, "dir": run}
     raise AssertionError(f"no run with model.compile={compile_} precision.dtype={dtype} in {sweep}")
 

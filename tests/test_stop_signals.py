@@ -81,7 +81,7 @@ def test_sigterm_ends_with_one_line_and_143_and_the_named_checkpoint_resumes_exa
     name, updates, path, at, resume, auto = match.groups()
     assert (name, updates, at) == ("SIGTERM", "3", "3") and resume == path and auto, errors[0]
     assert Path(path).is_file() and Path(path).parent.parent.parent == runs / "dvae"
-    assert torch.load(path, map_location="cpu", weights_only=False)["global_step"] == 3
+    assert torch.load(path, map_location="cpu", weights_only=True)["global_step"] == 3
     assert not (tmp_path / "stopped.pt").exists()  # a stopped run writes no model
 
     from dalle_lightning.cli import train

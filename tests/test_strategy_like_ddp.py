@@ -139,7 +139,7 @@ def _after_fit(model: str, layout: str, rank: int, workdir: Path) -> dict[str, A
     with torch.no_grad():
         for p in module.parameters():
             p.zero_()
-    module.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    module.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
     out["loaded"] = snapshot(module)
     saved_module = workdir / f"module-{model}-{layout}-{rank}.pt"
     saved_trainer = workdir / f"trainer-{model}-{layout}-{rank}.pt"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location(
-    "launch_identity", ROOT / "strategies" / "dalle_lightning_plugins" / "launch_identity.py")
+    "launch_identity", ROOT / "strategies" / "dalle_lightning_plugins" / "environments" / "launch_identity.py")
 assert spec is not None and spec.loader is not None
 identity = importlib.util.module_from_spec(spec)
 sys.modules["launch_identity"] = identity  # dataclasses look their module up there
