@@ -9,6 +9,7 @@ process: ``ddp(find_unused_parameters=True)``'s average, where a rank that skipp
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dalle_lightning_plugins import compat
 from tests.helpers.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORLD = 2
 # (rank, micro-batch) -> whether that rank's forward takes the second branch of block 0
@@ -233,24 +236,80 @@ def test_dtensor_op_handlers_is_dtensors_own_table() -> None:
     assert compat.dtensor_op_handlers() is handlers
 
 
-class Counted(nn.Linear):
-    calls = 0
+def test_attached_trainer_is_the_modules_trainer_or_none() -> None:
+    import lightning.pytorch as pl
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        type(self).calls += 1
-        return super().forward(x).tanh()
+    module = pl.LightningModule()
+    assert compat.attached_trainer(module) is None and compat.attached_trainer(nn.Linear(1, 1)) is None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    module.trainer = trainer
+    assert compat.attached_trainer(module) is trainer is module.trainer
 
 
-def test_activation_checkpointing_recomputes_the_forward() -> None:
-    torch.manual_seed(0)
-    plain, checkpointed = nn.Linear(3, 3), Counted(3, 3)
-    checkpointed.load_state_dict(plain.state_dict())
-    compat.checkpoint_activations(checkpointed)
-    x = torch.randn(2, 3)
-    plain(x).tanh().sum().backward()
-    checkpointed(x).sum().backward()
-    assert Counted.calls == 2  # once forward, once again in backward
-    torch.testing.assert_close(checkpointed.weight.grad, plain.weight.grad)
+def test_tree_map_reaches_every_tensor_of_a_nesting() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    tree = {"x": torch.ones(2), "y": (torch.zeros(1), [torch.full((1,), 3.0)]), "z": Pair(torch.ones(1), 5)}
+    out = compat.tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, tree)
+    assert isinstance(out["z"], Pair) and out["z"].b == 5
+    torch.testing.assert_close(out["x"], torch.full((2,), 2.0))
+    torch.testing.assert_close(out["y"][1][0], torch.full((1,), 6.0))
+    torch.testing.assert_close(out["z"].a, torch.full((1,), 2.0))
+
+
+def test_dynamo_config_holds_the_recompile_settings() -> None:
+    config = compat.dynamo_config()
+    assert isinstance(config.recompile_limit, int) and isinstance(config.fail_on_recompile_limit_hit, bool)
+    before = config.recompile_limit
+    try:
+        config.recompile_limit = before + 1
+        import torch._dynamo
+
+        assert torch._dynamo.config.recompile_limit == before + 1  # the module torch.compile reads
+    finally:
+        config.recompile_limit = before
+
+
+def test_amp_unscale_and_check_against_a_hand_computed_step() -> None:
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([8.0])]
+    found = torch.zeros(1)
+    compat.amp_unscale_and_check(grads, found, torch.tensor([0.5]))
+    torch.testing.assert_close(grads[0], torch.tensor([1.0, 2.0]))
+    torch.testing.assert_close(grads[1], torch.tensor([4.0]))
+    assert found.item() == 0.0
+    compat.amp_unscale_and_check([torch.tensor([1.0, float("inf")])], found, torch.tensor([1.0]))
+    assert found.item() == 1.0
+
+
+def test_gloo_options_carry_the_timeout() -> None:
+    from datetime import timedelta
+
+    options = compat.set_group_timeout(compat.gloo_options(), timedelta(seconds=7))
+    assert isinstance(options, torch.distributed.ProcessGroupGloo._Options)  # type: ignore[attr-defined]
+    assert options._timeout == timedelta(seconds=7)
+
+
+def test_process_group_backend_as_the_strategy_says() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dalle_lightning_plugins import ShardedPowerSGDStrategy
+
+    assert compat.process_group_backend(DDPStrategy(process_group_backend="gloo")) == "gloo"
+    strategy = ShardedPowerSGDStrategy(devices_per_node=1, process_group_backend="gloo")
+    assert compat.process_group_backend(strategy) == "gloo"
+
+
+def test_no_private_name_outside_compat() -> None:
+    """Every private torch or Lightning name the plugins reach is reached here, in compat.py, and nowhere else."""
+    from tests.test_lightning_internals import private_attributes, private_imports
+
+    plugins = ROOT / "strategies" / "dalle_lightning_plugins"
+    others = sorted(p for p in plugins.rglob("*.py") if p.name != "compat.py")
+    assert len(others) > 30
+    found = {str(p.relative_to(plugins)): private_imports([p]) + private_attributes([p]) for p in others}
+    assert {k: v for k, v in found.items() if v} == {}
 
 
 def _process_group_names(rank: int, world_size: int) -> dict[str, object]:

@@ -145,11 +145,9 @@ def _owner(name: str) -> object:
 
 # Owner -> private attributes of its instances the project uses (module-level ones are found by the scan above).
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
-    # compat.set_module_device_mesh hands the strategy's mesh to the module; ResblockScalingPrecision asks if a
-    # trainer is attached.
+    # compat.set_module_device_mesh hands the strategy's mesh to the module; compat.attached_trainer:
+    # ResblockScalingPrecision asks if a trainer is attached.
     "LightningModule": ("_device_mesh", "_trainer"),
-    # The strategy's optimizer state and checkpoints unwrap Lightning's optimizer.
-    "LightningOptimizer": ("_optimizer",),
     # ResblockScalingPrecision.optimizer_step and the strategy's GradScaler step run Lightning's hooks and clipping.
     "Precision": ("_after_closure",),
     # dalle_lightning_callbacks.ema.EMA keeps Lightning's update schedule in its parent's counters;
@@ -157,7 +155,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch", "_average_model"),
     # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
     "GradScaler": ("_per_optimizer_states",),
-    # dalle_lightning_plugins.strategies.mesh: the gloo groups' collective timeout.
+    # compat.set_group_timeout (dalle_lightning_plugins.strategies.mesh): the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
     # pre-backward hook, so FSDP2 reduce-scatters the root unit's gradients.

@@ -4,7 +4,8 @@
 The second half of the module holds the private names themselves (Lightning's meta-module materialisation, its
 process-group connection and ``reduce``, its launcher, ``LightningModule._device_mesh``, ``Precision._after_closure``,
 a ``GradScaler``'s found-Inf record, FSDP2's root pre-backward hook, DTensor's op-handler table, an op's schema,
-torch's composable activation checkpointing): one place to look when a release renames one, each function saying
+the trainer a module is attached to, pytree's map, dynamo's config, the fused unscale-and-check kernel, a process
+group's timeout option): one place to look when a release renames one, each function saying
 why it is needed and tested in ``tests/test_compat.py`` against a value worked out by hand. The first half:
 
 The plugins require ``torch>=2.9`` (``strategies/pyproject.toml`` says why that is the floor: the newest public
@@ -34,22 +35,28 @@ __all__ = [
     "HAS_REDUCE_SCATTER_UNUSED_PARAMS",
     "TORCH_VERSION",
     "after_closure",
+    "amp_unscale_and_check",
+    "attached_trainer",
     "averaged_model",
-    "checkpoint_activations",
     "dtensor_op_handlers",
+    "dynamo_config",
     "fsdp_param_groups",
     "init_dist_connection",
     "mark_scaler_overflow",
     "materialize_distributed_module",
     "materialize_meta_tensors",
     "op_argument",
+    "process_group_backend",
     "optimizers_to_device",
     "reduce_scatter_unused_params",
     "register_root_pre_backward",
+    "gloo_options",
+    "set_group_timeout",
     "set_module_device_mesh",
     "subprocess_script_launcher",
     "sync_ddp_if_available",
     "torch_version",
+    "tree_map",
 ]
 
 
@@ -215,14 +222,6 @@ def op_argument(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: t
     return None
 
 
-def checkpoint_activations(module: nn.Module) -> nn.Module:
-    """torch's composable activation checkpointing of one module (recomputed in backward), which FSDP2 composes
-    with; torch has it under ``torch.distributed._composable`` only."""
-    from torch.distributed._composable import checkpoint
-
-    return checkpoint(module)
-
-
 def averaged_model(callback: Any) -> Any:
     """The ``AveragedModel`` of a Lightning ``WeightAveraging`` callback (``EMAWeightAveraging`` too), None for any
     other callback or before its ``setup``: the strategy shards it as the module for a fit (it has no public name)."""
@@ -231,3 +230,52 @@ def averaged_model(callback: Any) -> Any:
     except ImportError:  # a Lightning release before the callback
         return None
     return callback._average_model if isinstance(callback, WeightAveraging) else None
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None: ``LightningModule.trainer`` raises when there is none,
+    and a precision plugin also runs on modules outside a fit (its own tests, a user's loop)."""
+    return getattr(module, "_trainer", None)
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """torch's pytree map (``torch.utils._pytree``: a block's outputs may be any nesting of tensors, and torch's own
+    tree utilities know its containers, named tuples included)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+def dynamo_config() -> Any:
+    """dynamo's configuration module, whose ``recompile_limit`` and ``fail_on_recompile_limit_hit`` the fused
+    boundary kernels set around their call (``torch.compiler`` has no public name for either)."""
+    import torch._dynamo
+
+    return torch._dynamo.config
+
+
+def amp_unscale_and_check(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``GradScaler``'s fused kernel: multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` to 1 where
+    any value is non-finite, in one pass over a list of tensors (there is no public op for it)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def set_group_timeout(options: Any, timeout: Any) -> Any:
+    """A process-group options object carrying ``timeout`` (gloo's options class is ``ProcessGroupGloo._Options``
+    and its timeout field ``_timeout``; NCCL's shares the field): sub-groups of a mesh otherwise get the library's
+    30-minute default. Returns ``options``."""
+    options._timeout = timeout
+    return options
+
+
+def gloo_options() -> Any:
+    """A new gloo process-group options object (the class is private to torch's bindings)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend a Lightning strategy will give its process group (``ddp``'s and the plugins' strategies answer
+    with ``_get_process_group_backend``: the one passed, else gloo on CPU, nccl on CUDA)."""
+    return strategy._get_process_group_backend()

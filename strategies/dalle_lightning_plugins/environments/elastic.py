@@ -30,6 +30,8 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 
+from dalle_lightning_plugins import compat
+
 ROUND_KEY = "dalle_lightning_plugins/round_store"  # "<port>:<token>" of this round's store, in the agents' store
 TOKEN_KEY = "dalle_lightning_plugins/token"  # the same token, inside this round's store
 PROBE_TIMEOUT = timedelta(seconds=2)  # a published store that does not answer within this is an earlier round's
@@ -87,7 +89,7 @@ def init_default_group(strategy: Any) -> bool:
     if not env.creates_processes_externally:
         return False
     timeout = getattr(strategy, "_timeout", None) or timedelta(minutes=30)
-    backend = strategy._get_process_group_backend()
+    backend = compat.process_group_backend(strategy)
     rank, world_size = env.global_rank(), env.world_size()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
     kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}

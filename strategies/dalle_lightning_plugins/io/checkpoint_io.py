@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from dalle_lightning_plugins.io.atomic_files import AtomicWriteError, torch_save
 from dalle_lightning_plugins.io.dcp_checkpoint import COMPLETE_MARKER, is_sharded_checkpoint
+
+PathLike = str | os.PathLike  # a checkpoint's path, as Lightning passes it (str or Path)
 
 
 class CheckpointWriteError(AtomicWriteError):
@@ -35,14 +36,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves go through a temporary file beside the target (see the module docstring)."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; "
                             f"got {storage_options!r}")
         save_checkpoint_file(checkpoint, path)
 
 
-def save_checkpoint_file(checkpoint: dict[str, Any], path: _PATH) -> None:
+def save_checkpoint_file(checkpoint: dict[str, Any], path: PathLike) -> None:
     """``torch.save(checkpoint)`` to ``path`` atomically; :class:`CheckpointWriteError` if it cannot be written."""
     try:
         torch_save(checkpoint, path)

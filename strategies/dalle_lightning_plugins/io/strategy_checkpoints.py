@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -42,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dalle_lightning_plugins.io.checkpoint_io import AtomicCheckpointIO
+from dalle_lightning_plugins.io.checkpoint_io import AtomicCheckpointIO, PathLike
 from dalle_lightning_plugins.io.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
@@ -121,7 +120,7 @@ class ShardedCheckpointing:
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.lightning_module is not None
         self._sharded_for_checkpoint()
         if self._full_checkpoints:  # as ``optimizer.state_dict()`` under ddp, whole on rank 0
@@ -148,7 +147,7 @@ class ShardedCheckpointing:
             self.inter_node.choice.load_state_dict(choice)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
         assert self.powersgd is not None
@@ -160,7 +159,7 @@ class ShardedCheckpointing:
                 self._whole_after_save = False
                 to_plain(self._root)  # type: ignore[attr-defined]
 
-    def _save(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+    def _save(self, checkpoint: dict[str, Any], path: PathLike) -> None:
         """Collective: ``checkpoint`` to ``path`` in the strategy's format."""
         if self._full_checkpoints:
             self._save_full(checkpoint, path)
@@ -185,7 +184,7 @@ class ShardedCheckpointing:
             state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = buffers
         save_sharded(path, state, checkpoint)
 
-    def _save_full(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+    def _save_full(self, checkpoint: dict[str, Any], path: PathLike) -> None:
         """Collective: one file as ``ddp`` writes it (model and optimizers whole, from rank 0), plus each rank's
         PowerSGD state and buffers in lists by global rank, so a resume on the same mesh continues exactly."""
         assert self.powersgd is not None
@@ -202,7 +201,7 @@ class ShardedCheckpointing:
         self.barrier("save_checkpoint")
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s).
 
         ``weights_only`` as ``ddp`` takes it: passed on to ``torch.load`` unchanged, so None means torch's default
@@ -216,7 +215,7 @@ class ShardedCheckpointing:
             return self._load_sharded(path, weights_only)
         return self._load_full(path, weights_only)
 
-    def _load_full(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+    def _load_full(self, path: PathLike, weights_only: bool | None) -> dict[str, Any]:
         assert self.lightning_module is not None and self.powersgd is not None
         module = self.lightning_module
         try:
@@ -225,7 +224,7 @@ class ShardedCheckpointing:
             raise refusal(path, exc) from None
         options = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
         set_model_state_dict(module, checkpoint["state_dict"], options=options)
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         for opt, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
             load_optimizer_state(opt, saved)
         # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
@@ -240,13 +239,13 @@ class ShardedCheckpointing:
             checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
         return checkpoint
 
-    def _load_sharded(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+    def _load_sharded(self, path: PathLike, weights_only: bool | None) -> dict[str, Any]:
         assert self.lightning_module is not None and self.powersgd is not None
         module = self.lightning_module
         # Read first on every rank, so that a directory that asks for more is refused before any collective.
         stored = read_dcp_metadata(path, trust=weights_only is False).state_dict_metadata
         saved = read_metadata(path, weights_only)
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         key, buffers_key = rank_key(POWERSGD_KEY, self.global_rank), rank_key(RANK_BUFFERS_KEY, self.global_rank)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
         for idx, opt in enumerate(optimizers):
@@ -288,7 +287,7 @@ class ShardedCheckpointing:
             self._load_rank_state(join(skeleton, state.get(key, {})))
         return metadata
 
-    def _own_part(self, value: Any, path: _PATH, part: str, weights_only: bool | None) -> Any:
+    def _own_part(self, value: Any, path: PathLike, part: str, weights_only: bool | None) -> Any:
         """Collective: this rank's own state as stored (a byte string in a checkpoint written before it was kept as
         tensors and plain values: read as data). A refusal on any rank is raised on every rank, which would
         otherwise go on to wait for it in training's first collective."""

@@ -25,6 +25,7 @@ import functools
 import torch
 from torch import Tensor
 
+from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.fast_paths import FastPath
 
 _RECOMPILE_LIMIT = 32  # graphs per boundary function: dtypes x memory formats (contiguous, channels-last)
@@ -66,7 +67,7 @@ def _call_compiled(name: str, *args: object) -> object:
     error). The functions are compiled with dynamic shapes, so only dtypes and memory formats make new graphs.
     Both settings are restored after the call, for the rest of the process; set as attributes, which costs a third
     of ``config.patch`` (this runs twice per branch and backward)."""
-    config = torch._dynamo.config
+    config = compat.dynamo_config()
     limit, fail = config.recompile_limit, config.fail_on_recompile_limit_hit
     config.recompile_limit, config.fail_on_recompile_limit_hit = max(limit, _RECOMPILE_LIMIT), True
     try:
@@ -115,8 +116,8 @@ def unscale_and_flag(grads: list[Tensor], inv_scale: Tensor, flag: Tensor) -> No
     is non-finite, with the fused kernel GradScaler uses; it writes the flag in place when both share a device."""
     device = grads[0].device
     if flag.device == device:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+        compat.amp_unscale_and_check(grads, flag, inv_scale.to(device))
         return
     found = torch.zeros(1, dtype=torch.float32, device=device)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+    compat.amp_unscale_and_check(grads, found, inv_scale.to(device))
     torch.maximum(flag, found.to(flag.device), out=flag)

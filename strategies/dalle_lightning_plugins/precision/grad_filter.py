@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.precision.boundary_kernels import branch_grad, identity_grad, unscale_and_flag
 
 __all__ = ["BranchBoundaries", "FromBranch", "ToBranch", "unscale_and_flag"]
@@ -166,4 +166,4 @@ def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
         return tuple(fn(t) for t in tree)
     if type(tree) is dict and not tree:
         return tree
-    return tree_map(fn, tree)
+    return compat.tree_map(fn, tree)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.precision.grad_filter import BranchBoundaries, unscale_and_flag
 from dalle_lightning_plugins.strategies.mesh import local_shard
@@ -172,7 +173,7 @@ class ResblockScalingPrecision(Precision):
         if isinstance(optimizer, LBFGS):
             raise TypeError("optimizer=LBFGS, expected an optimizer that steps once per closure call")
         closure_result = closure()
-        lightning = model if isinstance(model, pl.LightningModule) and model._trainer is not None else None
+        lightning = model if isinstance(model, pl.LightningModule) and compat.attached_trainer(model) is not None else None
         if closure_result is None and lightning is not None and lightning.automatic_optimization:
             self._agreed = None
             self._unscaled.clear()

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dalle_lightning_plugins import compat
+
 MESH_DIM_NAMES = ("replicate", "shard")
 
 
@@ -48,13 +50,12 @@ def _group_options(backend: str, timeout: timedelta | None) -> Any:
     if timeout is None:
         return None
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts = compat.gloo_options()
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
     else:
         return None
-    opts._timeout = timeout
-    return opts
+    return compat.set_group_timeout(opts, timeout)
 
 
 def build_mesh(
