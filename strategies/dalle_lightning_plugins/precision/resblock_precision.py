@@ -154,9 +154,14 @@ class ResblockScalingPrecision(Precision):
 
     @override
     def teardown(self) -> None:
-        """Leave the model as found: remove the hooks (a later ``setup`` reinstalls them, keeping the scales)."""
+        """Leave the model as found: remove the hooks and let go of the stage's modules (a later ``setup``
+        reinstalls them, keeping the scales). A sharding strategy's stage modules are its sharded stand-ins, which
+        ``torch.save(trainer)`` after ``fit`` cannot pickle (FSDP2's per-process classes): under ``ddp`` and under
+        the plugins' strategies alike, the plugin after a stage holds its scales and settings only."""
         if self._boundaries is not None:
             self._boundaries.remove()
+        self._boundaries, self._root, self._blocks = None, None, []
+        self._groups = self._block_of = None
         super().teardown()
 
     # ------------------------------------------------------------------------------------------------ step
