@@ -280,8 +280,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
             self.model = self._shard(module, fitting)
             if self.model is not module:
                 self._root = self.model  # type: ignore[assignment]
-        if fitting and isinstance(self.model, FSDPModule):
-            shard_averages(trainer, module)  # Lightning's WeightAveraging: its copy sharded as the module
+        # Lightning's WeightAveraging: its copy sharded as the module
+        self._averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module)
         if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
             self.inter_node.attach(module, self.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
         self.barrier()
@@ -422,6 +422,15 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
             if sharded:
                 root.set_requires_gradient_sync(True)
             self._synchronised_step = True
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        if getattr(self, "_averages_sharded", False) and self._root is not None:
+            # WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root
+            # unit, which a forward without backward leaves gathered, goes back to its shards after each step
+            fsdp_wiring.reshard_all(self._root)
+        return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

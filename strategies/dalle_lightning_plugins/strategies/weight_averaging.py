@@ -61,10 +61,12 @@ def _replace_parameters(module: nn.Module, make: Any) -> dict[str, torch.device]
 
 
 @torch.no_grad()
-def shard_averages(trainer: pl.Trainer, module: nn.Module) -> None:
-    """Every averaged copy of a Lightning ``WeightAveraging`` callback sharded as ``module``'s parameters are."""
+def shard_averages(trainer: pl.Trainer, module: nn.Module) -> bool:
+    """Every averaged copy of a Lightning ``WeightAveraging`` callback sharded as ``module``'s parameters are;
+    whether there is any (the strategy then keeps the module's registered parameters sharded between steps)."""
     live = dict(module.named_parameters(remove_duplicate=False))
-    for averaged in _averaged_copies(trainer):
+    copies = _averaged_copies(trainer)
+    for averaged in copies:
         if averaged in _SHARDED:
             continue
 
@@ -79,6 +81,7 @@ def shard_averages(trainer: pl.Trainer, module: nn.Module) -> None:
         handles = [averaged.register_state_dict_post_hook(functools.partial(_whole_state, devices)),
                    averaged.register_load_state_dict_pre_hook(_sharded_load)]
         _SHARDED[averaged] = (handles, devices)
+    return bool(copies)
 
 
 @torch.no_grad()
