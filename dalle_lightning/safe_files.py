@@ -16,24 +16,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-_GLOBAL = re.compile(r"GLOBAL (\S+?) was not an allowed global")
-
+from dalle_lightning_plugins.io.refusal import refused_global
 
 class UnsafeFile(ValueError):
     """A file that asks for more than data when opened (a global outside the allow-list, a config target that is
     not one of the project's models). Its message is one line."""
-
-
-def refused_global(exc: BaseException) -> str | None:
-    """The global torch's restricted unpickler refused (``builtins.print``), read off its error; None for others."""
-    match = _GLOBAL.search(str(exc))
-    return match.group(1) if match else None
 
 
 def refusal(path: str | os.PathLike, name: str, what: str, fix: str) -> UnsafeFile:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from dalle_lightning.generation.rerank import Reranker
-from dalle_lightning.safe_files import refusal, refused_global
+from dalle_lightning.safe_files import refusal
+from dalle_lightning_plugins.io.refusal import refused_global
 
 CLIP_SPACE = "clip"  # the project's CLIP (clip=)
 OPEN_CLIP_KEYS = ("model", "pretrained")

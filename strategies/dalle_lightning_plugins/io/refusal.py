@@ -31,13 +31,19 @@ class CheckpointRefused(pickle.UnpicklingError):
     that (Lightning's callers, a user's) catches this one too."""
 
 
+def refused_global(exc: BaseException) -> str | None:
+    """The global a restricted unpickler refused (``io.open``), read off torch's (or
+    :mod:`~dalle_lightning_plugins.io.dcp_reader`'s) error; None for any other error."""
+    found = _GLOBAL.search(str(exc))
+    return found.group(1) if found else None
+
+
 def asked_for(exc: BaseException) -> str:
-    """What a refused pickle asked for, from torch's (or :mod:`~dalle_lightning_plugins.io.dcp_reader`'s) error:
-    ``"the global io.open"``, else torch's own reason in a few words."""
+    """What a refused pickle asked for: ``"the global io.open"``, else torch's own reason in a few words."""
+    name = refused_global(exc)
+    if name is not None:
+        return f"the global {name}"
     text = str(exc)
-    found = _GLOBAL.search(text)
-    if found:
-        return f"the global {found.group(1)}"
     reason = _REASON.search(text)
     if reason:
         return reason.group(1).strip()
