@@ -14,6 +14,10 @@ Usage::
 and automatically at the end of a sweep through the Hydra callback :class:`SweepSummary` (``conf/sweep/*.yaml``
 attach it; add ``+hydra.callbacks.summary._target_=dalle_lightning.cli.sweep_summary.SweepSummary`` to any
 other multirun). ``summary.json`` and ``summary.txt`` are written into the sweep directory.
+
+A sweep directory may come from anyone, so its files are read as plain values (``dalle_lightning.plain_yaml``): an
+override is shown as the text Hydra saved, ``a=${oc.env:SECRET_TOKEN}`` literally, and nothing in ``overrides.yaml``
+or ``multirun.yaml`` is ever resolved.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from dalle_lightning.plain_yaml import read_yaml
 from dalle_lightning_plugins.io.atomic_files import write_json, write_text
 
 log = logging.getLogger("dalle_lightning.sweep")
@@ -45,10 +50,12 @@ def read_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
     for run_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)):
         metrics_file, overrides_file = run_dir / "metrics.json", run_dir / ".hydra" / "overrides.yaml"
         if metrics_file.is_file():
-            blob = json.loads(metrics_file.read_text())
-            runs.append({"run": run_dir.name, "overrides": list(blob.get("overrides", [])), "metrics": blob.get("metrics", {})})
+            blob = read_json(metrics_file)
+            runs.append({"run": run_dir.name, "overrides": override_texts(blob.get("overrides"), metrics_file),
+                         "metrics": plain_metrics(blob.get("metrics"), metrics_file)})
         elif overrides_file.is_file():  # the run started but wrote no metrics: it failed
-            runs.append({"run": run_dir.name, "overrides": list(OmegaConf.load(overrides_file)), "metrics": None})
+            runs.append({"run": run_dir.name, "overrides": override_texts(read_yaml(overrides_file), overrides_file),
+                         "metrics": None})
     if not runs:
         raise FileNotFoundError(f"no runs in {str(sweep_dir)!r}; expected subdirectories with metrics.json")
     return runs
@@ -59,10 +66,46 @@ def sweep_settings(sweep_dir: Path) -> tuple[str | None, str | None]:
     path = sweep_dir / "multirun.yaml"
     if not path.is_file():
         return None, None
-    cfg = OmegaConf.load(path)
-    objective = OmegaConf.select(cfg, "objective", default=None)
-    direction = OmegaConf.select(cfg, "hydra.sweeper.direction", default=None)
-    return objective, direction if isinstance(direction, str) else None
+    cfg = read_yaml(path)  # plain values: a stored ${...} stays text (it then names no logged metric)
+    cfg = cfg if isinstance(cfg, dict) else {}
+    objective = cfg.get("objective")
+    sweeper = (cfg.get("hydra") or {}).get("sweeper") if isinstance(cfg.get("hydra"), dict) else None
+    direction = sweeper.get("direction") if isinstance(sweeper, dict) else None
+    return (objective if isinstance(objective, str) else None), (direction if isinstance(direction, str) else None)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A run's ``metrics.json`` as plain values; one line naming the file when it is not a JSON object."""
+    try:
+        blob = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(path)!r} is not readable JSON ({type(exc).__name__}); expected the metrics.json "
+                         "dalle-train writes") from None
+    if not isinstance(blob, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(blob).__name__}; expected the JSON object dalle-train writes")
+    return blob
+
+
+def override_texts(value: Any, path: Path) -> list[str]:
+    """A run's overrides as the texts Hydra saved (``key=value``), kept literally: ``${...}`` in one is shown as
+    typed and never resolved (it may read the environment). Anything but a list of scalars is one line."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(o, (str, int, float, bool)) for o in value):
+        raise ValueError(f"{str(path)!r}: overrides is not a list of key=value texts; expected what Hydra saved")
+    return [str(o) for o in value]
+
+
+def plain_metrics(value: Any, path: Path) -> dict[str, float]:
+    """A run's metrics: names to numbers (a metric of another type is one line naming it)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r}: metrics is a {type(value).__name__}; expected names and numbers")
+    for name, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"{str(path)!r}: metrics[{str(name)!r}] is not a number; expected names and numbers")
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def choose_metric(runs: list[dict[str, Any]], metric: str | None, objective: str | None) -> str:

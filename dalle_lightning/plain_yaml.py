@@ -1,0 +1,72 @@
+"""YAML and records from a file, read as plain values: a stored interpolation stays text, never an expression.
+
+Hydra leaves YAML in every run directory (``.hydra/config.yaml``, ``overrides.yaml``, a sweep's ``multirun.yaml``),
+and a run directory may come from anyone. Loading one with ``OmegaConf.load`` and reading a value resolves what the
+value says: ``${oc.env:SECRET_TOKEN}`` reads the environment, ``${meta:...}`` opens a file, ``${oc.create:...}``
+builds a config that ``instantiate`` would call. So such files are read here with ``yaml.safe_load`` (plain
+strings, numbers, lists and dicts; a ``!!python`` tag is refused) and never handed to OmegaConf. A caller then keeps
+a ``${...}`` text literally (a summary shows the override as it was typed) or refuses it with :func:`refuse_stored`,
+whose one line names the file and the key but never the text, let alone what it would resolve to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+INTERPOLATION = "${"
+
+
+class StoredInterpolation(ValueError):
+    """A value read from a file holds an interpolation (``${...}``) where a plain value was expected."""
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """The YAML document at ``path`` as plain Python values (``yaml.safe_load``; None for an empty file).
+
+    A file that is not YAML, or asks for a Python object (``!!python/...``), is a one-line ``ValueError`` naming it."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return yaml.safe_load(stream)
+    except yaml.YAMLError as exc:
+        problem = str(getattr(exc, "problem", None) or type(exc).__name__)
+        raise ValueError(f"{os.fspath(path)!r} is not plain YAML ({problem}); expected the YAML file Hydra wrote "
+                         "there") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{os.fspath(path)!r} is not UTF-8 text; expected the YAML file Hydra wrote there") from None
+
+
+def interpolations(value: Any, where: str = "") -> Iterator[str]:
+    """The keys (``a.b[2]``) of every string in ``value`` (and of every dict key) that holds ``${``."""
+    if isinstance(value, str):
+        if INTERPOLATION in value:
+            yield where or "(the document)"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and INTERPOLATION in key:
+                yield f"{where}.<key>" if where else "<key>"
+            yield from interpolations(item, name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from interpolations(item, f"{where}[{i}]")
+
+
+def refuse_stored(value: Any, path: str | os.PathLike, where: str = "", fix: str = "a file this project wrote",
+                  what: str = "") -> None:
+    """Raise a one-line :class:`StoredInterpolation` naming ``path`` (after ``what``, e.g. ``resume: checkpoint``)
+    and the first key of ``value`` whose string holds ``${``; nothing of the string itself is printed (its text
+    may name a secret's variable), let alone what it would resolve to."""
+    found = next(interpolations(value, where), None)
+    if found is not None:
+        named = f"{what} {os.fspath(path)!r}" if what else repr(os.fspath(path))
+        raise StoredInterpolation(f"{named}: {found} holds an interpolation (${{...}}), which is never resolved "
+                                  f"from a file, so the file was not used; expected plain values: {fix}")
+
+
+def escaped(text: str) -> str:
+    """``text`` as an OmegaConf string value that reads back as exactly ``text`` (``${`` escaped, never resolved)."""
+    return text.replace(INTERPOLATION, "\\" + INTERPOLATION)
