@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dalle_lightning_plugins.io.atomic_files import temporary_name, torch_save, write_text
-from dalle_lightning_plugins.io.dcp_reader import load_data, read_dcp_metadata
-from dalle_lightning_plugins.io.refusal import torch_load
+from dalle_lightning_plugins.io.dcp_reader import load_data, outside, read_dcp_metadata
+from dalle_lightning_plugins.io.refusal import CheckpointRefused, torch_load
 
 METADATA_FILENAME = "meta.pt"
 COMPLETE_MARKER = "complete"  # written last into the temporary directory, before it is renamed into place
@@ -126,6 +126,9 @@ def read_metadata(path: str | Path, weights_only: bool | None = None) -> dict[st
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
+    problem = outside(path, METADATA_FILENAME, "metadata file")  # a link out of the directory, a device
+    if problem is not None:
+        raise CheckpointRefused(f"refusing checkpoint {str(path)!r}: {problem}")
     return torch_load(path / METADATA_FILENAME, path / METADATA_FILENAME, weights_only, map_location="cpu")
 
 

@@ -6,6 +6,10 @@ DCP's own ``FileSystemReader`` unpickles the directory's ``.metadata`` with plai
 
 * :func:`read_dcp_metadata` unpickles ``.metadata`` through an allow-list of what DCP writes there (its metadata
   dataclasses, ``torch.Size``, dtypes, layouts, paths) and nothing else;
+* every file ``.metadata`` names (its ``storage_data``'s ``relative_path``, which ``FileSystemReader`` opens as
+  ``directory / relative_path``) must resolve to a regular file inside the directory: an absolute path, ``..``, a
+  link out of it or a device (``/dev/zero``) is refused before any file is opened (:func:`check_storage_paths`),
+  and ``.metadata`` itself must be a regular file inside it of at most :data:`MAX_METADATA_BYTES`;
 * :class:`DataReader` is a ``FileSystemReader`` given ``.metadata`` so read;
 * :class:`DataLoadPlanner` reads non-tensor values with the ``weights_only`` the caller was given (``None``:
   torch's default, True since 2.6), as Lightning's ``ddp`` reads a whole file.
@@ -34,6 +38,11 @@ from torch.distributed.checkpoint.planner import ReadItem
 from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal, torch_load
 
 DCP_METADATA = ".metadata"
+# ``.metadata`` is unpickled whole. It holds one small entry (about 200 bytes) per chunk of each tensor: a 12B-parameter
+# model with its Adam state (a few thousand tensors) sharded over 64 ranks is about 100 MB short of this bound, and the
+# plugins shard within a node (8 ranks: a few MB). A larger file is no checkpoint this code wrote, and is refused
+# before it is read rather than unpickled into memory.
+MAX_METADATA_BYTES = 256 * 2**20
 
 # What DCP's writer pickles into ``.metadata`` besides containers and numbers, by module. Names that torch itself
 # writes into the file (two of them private to torch: the file's format, not an API these plugins call).
@@ -71,10 +80,59 @@ class _DataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a persistent id {str(pid)[:80]!r}, which DCP metadata never holds")
 
 
+def outside(directory: str | os.PathLike, file: str | os.PathLike, key: str) -> str | None:
+    """Why ``file`` (a name read from a checkpoint under ``key``) is not a regular file inside ``directory``, once
+    links and ``..`` are resolved; None when it is. A file that does not exist yet is left to its reader."""
+    name = os.fspath(file) if isinstance(file, (str, os.PathLike)) else None
+    if not name:
+        return f"its {key} is {file!r}; expected the name of a file in the checkpoint directory"
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return f"its {key} {name!r} lies outside the checkpoint directory; expected a name relative to it"
+    root = Path(directory).resolve()
+    target = (root / name).resolve()
+    if target == root or not target.is_relative_to(root):
+        return (f"its {key} {name!r} resolves to {str(target)!r}, outside the checkpoint directory; expected a file "
+                "inside it")
+    if target.exists() and not target.is_file():
+        return f"its {key} {name!r} is not a regular file; expected a file the checkpoint's writer made"
+    return None
+
+
+def check_storage_paths(metadata: Metadata, directory: str | os.PathLike, file: str | os.PathLike) -> None:
+    """Every file ``metadata`` (read from ``file``) names lies inside ``directory``, or one
+    :class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused` line naming ``file`` and the entry."""
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:  # written before DCP recorded where each chunk lies: nothing is named
+        return
+    if not isinstance(storage, dict):
+        raise CheckpointRefused(f"refusing checkpoint {os.fspath(file)!r}: its storage_data is a "
+                                f"{type(storage).__name__}; expected DCP's map of chunks to files (nothing was opened)")
+    checked: set[str] = set()
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str) and name in checked:
+            continue
+        fqn = getattr(index, "fqn", index)
+        problem = outside(directory, name, f"storage_data[{str(fqn)[:80]!r}].relative_path")
+        if problem is not None:
+            raise CheckpointRefused(f"refusing checkpoint {os.fspath(file)!r}: {problem}; none of its files was "
+                                    "opened")
+        checked.add(name)
+
+
 def read_dcp_metadata(path: str | os.PathLike, trust: bool = False) -> Metadata:
-    """A DCP directory's ``.metadata`` (or that file itself), through the allow-list unless ``trust``."""
+    """A DCP directory's ``.metadata`` (or that file itself), through the allow-list unless ``trust``; it and every
+    file it names must lie inside the directory, and it must hold at most :data:`MAX_METADATA_BYTES`. Each refusal
+    is one :class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused` line, raised on every rank that reads."""
     path = Path(path)
-    file = path / DCP_METADATA if path.is_dir() else path
+    directory, file = (path, path / DCP_METADATA) if path.is_dir() else (path.parent, path)
+    problem = outside(directory, file.name, "index file")
+    size = file.stat().st_size if problem is None else 0  # a missing file: open's own error, as before
+    if problem is None and size > MAX_METADATA_BYTES:
+        problem = (f"its {DCP_METADATA} holds {size} bytes; expected at most {MAX_METADATA_BYTES // 2**20} MiB (DCP's "
+                   "index of a checkpoint, a few MB for this code's), so it was not read")
+    if problem is not None:
+        raise CheckpointRefused(f"refusing checkpoint {os.fspath(directory)!r}: {problem}")
     with open(file, "rb") as stream:
         try:
             metadata = (pickle.Unpickler if trust else _DataUnpickler)(stream).load()
@@ -82,6 +140,7 @@ def read_dcp_metadata(path: str | os.PathLike, trust: bool = False) -> Metadata:
             raise refusal(file, exc) from None
     if not isinstance(metadata, Metadata):
         raise refusal(file, pickle.UnpicklingError(f"a {type(metadata).__name__} where DCP metadata belongs"))
+    check_storage_paths(metadata, directory, file)
     return metadata
 
 
