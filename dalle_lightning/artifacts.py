@@ -1,15 +1,19 @@
 """Stage artifacts: a trained model saved with the config that builds it, so later stages and tools load it
 without knowing its hyper-parameters.
 
-An artifact is a ``torch.save``d dict ``{"config": <Hydra _target_ dict>, "state_dict": ..., "meta": {...}}`` of
-tensors and plain JSON values only: it is read with ``torch.load(weights_only=True)``, its config and metadata are
-checked to be plain values, and its ``_target_`` must be one of the project's models (:mod:`dalle_lightning.model_targets`),
-so opening a model file someone else made never runs code from it (:mod:`dalle_lightning.safe_files`).
-``meta`` holds facts other stages read through config resolvers (a dVAE's vocabulary and grid size, a
-tokenizer's vocabulary) and ``sha256``, the digest of the weights that later artifacts record (``lineage``).
-Only finite weights are written: a diverged run must not leave a file that later stages take for a trained
-model. Writes go through ``dalle_lightning_plugins.io.atomic_files`` (a temporary file renamed into place), so an interrupted save never leaves a half-written
-artifact behind.
+An artifact is a safetensors file (:mod:`dalle_lightning.model_file_format`) of the model's named tensors, with
+``config`` (a Hydra ``_target_`` dict) and ``meta`` stored as JSON in its header; files written before, a
+``torch.save``d dict ``{"config", "state_dict", "meta"}``, still open, with ``torch.load(weights_only=True)``
+(:mod:`dalle_lightning.safe_files`). Either way its values are checked as typed data before anything uses them: no
+string anywhere holds ``${`` (an OmegaConf expression a config would resolve), each metadata key has its type
+(:mod:`dalle_lightning.artifact_schema`), and the config's ``_target_`` is one of the project's models with
+arguments of the types its signature names (:mod:`dalle_lightning.model_targets`), so opening a model file someone
+else made never runs code from it nor reads the environment for it.
+``meta`` holds facts other stages read through the ``${meta:PATH,KEY}`` resolver (a dVAE's vocabulary and grid
+size, a tokenizer's vocabulary: ints only) and ``sha256``, the digest of the weights that later artifacts record
+(``lineage``). Only finite weights are written: a diverged run must not leave a file that later stages take for a
+trained model. Writes go through ``dalle_lightning_plugins.io.atomic_files`` (a temporary file renamed into place),
+so an interrupted save never leaves a half-written artifact behind.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from dalle_lightning import model_file_format
+from dalle_lightning.artifact_schema import checked_meta, size_value
 from dalle_lightning.model_targets import build_model, checked_config
 from dalle_lightning.safe_files import check_plain, read_data
-from dalle_lightning_plugins.io.atomic_files import torch_save
 
 # Which model class each stage saves (for files whose metadata predates the ``stage`` field).
 STAGE_TARGETS = {"dvae": ".models.dvae.", "prior": ".models.prior.", "clip": ".models.clip."}
@@ -53,9 +58,10 @@ def save_model(
     source = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().cpu().contiguous() for k, v in source.items()}
     check_finite(state, path)
-    meta = dict(meta or {})
-    check_plain({"config": cfg, "meta": meta}, path, "artifact")  # what is written loads as data
-    return torch_save({"config": cfg, "state_dict": state, "meta": {**(meta or {}), "sha256": weights_digest(state)}}, path)
+    check_plain({"config": cfg, "meta": dict(meta or {})}, path, "artifact")
+    meta = checked_meta({**(meta or {}), "sha256": weights_digest(state)}, path)  # what is written reads back
+    checked_config(cfg, path)
+    return model_file_format.write(path, state, cfg, meta)
 
 
 def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
@@ -71,28 +77,40 @@ def check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
 CONVERT = "convert a file you trust once: python -m dalle_lightning.convert_artifact OLD NEW"
 
 
-def _read(path: str | Path) -> dict:
-    """A model file's contents, read as data: tensors under ``state_dict``, plain values under ``config`` and
-    ``meta``; anything that asks for more is a one-line :class:`~dalle_lightning.safe_files.UnsafeFile`."""
+def read_file(path: str | Path, tensors: bool = True) -> dict:
+    """A model file's contents, read as data and checked: ``{"config", "meta", "state_dict"}`` with named tensors
+    under ``state_dict`` (``None`` with ``tensors=False`` for a safetensors file whose ``meta`` has its digest: the
+    header alone is read) and typed plain values under ``config`` and ``meta``; anything that asks for more is a
+    one-line :class:`~dalle_lightning.safe_files.UnsafeFile` naming the file and the key."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file {str(path)!r} does not exist; train that stage first (dalle-train stage=...)")
-    blob = read_data(path, "dalle-lightning model file", CONVERT, "a file written by dalle-train")
-    if not isinstance(blob, dict) or "config" not in blob or "state_dict" not in blob:
-        raise ValueError(f"{str(path)!r} is not a dalle-lightning model file; expected keys config, state_dict")
+    if model_file_format.is_safetensors(path):
+        config, meta = model_file_format.read_values(path)
+        blob = {"config": config, "meta": meta, "state_dict": None}
+    else:  # a file written before safetensors: torch.save's zip, read with weights_only=True
+        blob = read_data(path, "dalle-lightning model file", CONVERT, "a file written by dalle-train")
+        if not isinstance(blob, dict) or "config" not in blob or "state_dict" not in blob:
+            raise ValueError(f"{str(path)!r} is not a dalle-lightning model file; expected keys config, state_dict")
+        blob = {"config": blob["config"], "meta": blob.get("meta") or {}, "state_dict": blob["state_dict"]}
+    # Values first, before any tensor is read: a stored expression or a stranger's _target_ is refused at once.
+    checked_config(blob["config"], path)
+    blob["meta"] = checked_meta(blob["meta"], path)
+    if blob["state_dict"] is None and (tensors or "sha256" not in blob["meta"]):
+        blob["state_dict"] = model_file_format.read_tensors(path)
     state = blob["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+    if state is not None and not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v)
+                                                                  for k, v in state.items())):
         raise ValueError(f"{str(path)!r}: state_dict is not a dict of named tensors; expected a file written by "
                          "dalle-train")
-    check_plain({"config": blob["config"], "meta": blob.get("meta") or {}}, path, "artifact")
-    checked_config(blob["config"], path)  # a stranger's _target_ is refused at the first read, not at the build
     return blob
 
 
 def _meta(blob: dict) -> dict[str, Any]:
     """An artifact's metadata, completed for files written before a field existed (digest, stage)."""
     meta = dict(blob.get("meta") or {})
-    meta.setdefault("sha256", weights_digest(blob["state_dict"]))
+    if "sha256" not in meta:
+        meta["sha256"] = weights_digest(blob["state_dict"])
     target = str(blob["config"].get("_target_", ""))
     stage = next((name for name, part in STAGE_TARGETS.items() if part in target), None)
     if stage is not None:
@@ -113,7 +131,7 @@ def _check_stage(meta: dict[str, Any], path: str | Path, stage: str | None, key:
 
 def read_record(path: str | Path, stage: str | None = None, key: str | None = None) -> dict[str, Any]:
     """The metadata of a saved model; with ``stage``, a one-line error (naming ``key``) unless it is that stage's."""
-    return _check_stage(_meta(_read(path)), path, stage, key)
+    return _check_stage(_meta(read_file(path, tensors=False)), path, stage, key)
 
 
 def load_artifact(path: str | Path, map_location: str | torch.device = "cpu", stage: str | None = None,
@@ -122,7 +140,7 @@ def load_artifact(path: str | Path, map_location: str | torch.device = "cpu", st
 
     With ``stage``, a file of another stage is a one-line error naming ``key`` before anything is built.
     """
-    blob = _read(path)
+    blob = read_file(path)
     meta = _check_stage(_meta(blob), path, stage, key)
     model = build_model(blob["config"], path)  # the project's model classes only
     model.load_state_dict(blob["state_dict"])
@@ -141,8 +159,10 @@ def load_frozen(model: nn.Module | str | Path) -> nn.Module:
     return module.eval().requires_grad_(False)
 
 
-def read_meta(path: str | Path, key: str) -> Any:
-    """One metadata value of a saved model, or of a ``tokenizer.json`` (``vocab_size``, ``text_len``)."""
+def read_meta(path: str | Path, key: str) -> int:
+    """One size a saved model records (``vocab_size``, ``grid_size``, ``image_size``, ``text_len``, ...), or a
+    ``tokenizer.json``'s (``vocab_size``, ``text_len``): always an int, so the ``${meta:...}`` resolver never hands
+    OmegaConf a string, which it would parse again as an expression."""
     path = Path(path)
     if path.suffix == ".json":
         if not path.is_file():
@@ -153,22 +173,25 @@ def read_meta(path: str | Path, key: str) -> Any:
 
         tokenizer = Tokenizer.from_file(str(path))
         if key == "vocab_size":
-            return tokenizer.get_vocab_size()
+            return _tokenizer_int(tokenizer.get_vocab_size(), path, key)
         if key == "text_len":
             length = recorded_text_len(tokenizer)
             if length is None:
                 raise KeyError(f"tokenizer {str(path)!r} records no text_len (written before tokenizers recorded it); "
                                "expected one: retrain it (dalle-train stage=tokenizer stage.force=true) or set the "
                                "caption length explicitly (model.text_len=N for the prior, text_len=N for dalle-encode)")
-            return length
+            return _tokenizer_int(length, path, key)
         raise KeyError(f"tokenizer files provide vocab_size and text_len, not {key!r}")
-    meta = _meta(_read(path))
-    if key not in meta:
-        raise KeyError(f"{str(path)!r} has no metadata {key!r}; it has {sorted(meta)}")
-    return meta[key]
+    return size_value(_meta(read_file(path, tensors=False)), key, path)
+
+
+def _tokenizer_int(value: object, path: Path, key: str) -> int:
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"tokenizer {str(path)!r} records {key} as a {type(value).__name__}; expected a positive int")
+    return value
 
 
 def register_resolvers() -> None:
-    """``${meta:PATH,KEY}`` in configs reads a value from an earlier stage's artifact."""
+    """``${meta:PATH,KEY}`` in configs reads a size from an earlier stage's artifact (an int, see :func:`read_meta`)."""
     if not OmegaConf.has_resolver("meta"):
         OmegaConf.register_new_resolver("meta", lambda path, key: read_meta(path, key))

@@ -6,7 +6,10 @@ and plain values and loads as it is. A model file that holds more (a config save
 line naming what it asked for. If it is your own and you trust it, this command opens it the old way, once
 (``torch.load(weights_only=False)``, which runs whatever the file holds: never on a file from someone else), turns
 its config and metadata into plain JSON values, checks its ``_target_`` against the project's models, and writes
-NEW in the current format, which the commands then read as data. OLD is left as it was.
+NEW in the current format (safetensors, :mod:`dalle_lightning.model_file_format`), which the commands then read as
+data. An OLD that is already data (any file the commands open) is read as data instead, never unpickled: this
+rewrites a ``torch.save`` model file as safetensors. OLD is left as it was; its values go through the same checks
+as every model file's (no ``${`` in any string, typed metadata), so NEW holds nothing the commands would refuse.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from dalle_lightning.artifacts import _read, save_model
+from dalle_lightning import model_file_format
+from dalle_lightning.artifacts import read_file, save_model
 from dalle_lightning.model_targets import checked_config
 
 
@@ -44,7 +48,12 @@ def convert(old: str | os.PathLike, new: str | os.PathLike) -> Path:
     """Write ``new``, the data-only form of the trusted model file ``old`` (see the module docstring)."""
     if Path(old).resolve() == Path(new).resolve():
         raise ValueError(f"NEW={os.fspath(new)!r} is OLD; expected another path (OLD is kept as it was)")
-    blob = torch.load(old, map_location="cpu", weights_only=False)  # trusted by the user who runs this, once
+    if not Path(old).is_file():
+        raise FileNotFoundError(f"OLD={os.fspath(old)!r} does not exist; expected a model file")
+    if model_file_format.is_safetensors(old):
+        blob = read_file(old)  # already data: nothing to unpickle
+    else:
+        blob = torch.load(old, map_location="cpu", weights_only=False)  # trusted by the user who runs this, once
     if not isinstance(blob, dict) or "config" not in blob or "state_dict" not in blob:
         raise ValueError(f"{os.fspath(old)!r} is not a dalle-lightning model file; expected keys config, state_dict")
     config = plain(blob["config"])
@@ -52,7 +61,7 @@ def convert(old: str | os.PathLike, new: str | os.PathLike) -> Path:
     state = {str(k): v for k, v in dict(blob["state_dict"]).items()}
     model = torch.nn.Module()  # save_model reads the weights from ``state_dict``; the model is not built here
     path = save_model(new, config, model, meta=plain(dict(blob.get("meta") or {})), state_dict=state)
-    _read(path)  # what was written reads as data
+    read_file(path)  # what was written reads as data
     return path
 
 
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{path} written: {args.old} as tensors and plain values")
+    print(f"{path} written: {args.old} as safetensors with typed values")
     return 0
 
 

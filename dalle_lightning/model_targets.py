@@ -6,19 +6,28 @@ A model file carries the config that rebuilds its model (``{"_target_": "dalle_l
 interpolations in its values: a file that loads under ``weights_only=True`` could still run code. So a model file's
 config is built here instead: its ``_target_`` must be one of :data:`MODEL_TARGETS`, every other key a plain
 keyword argument (no nested ``_target_``, no Hydra ``_args_``/``_partial_``/... keys), every value a plain JSON value;
-the class is then imported from this fixed list and called directly. Anything else is a one-line error naming the
-file and the target, before anything is imported or built.
+the class is then imported from this fixed list and called directly. Each value must have the type the class's
+own signature annotates (``image_size: int`` takes an int, not ``"64"`` nor ``True``), no string may hold ``${``,
+and every required argument must be there. Anything else is a one-line error naming the file, the key and the
+target, before anything is built (only the allow-listed module is imported, to read its signature).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import PurePath
 from typing import Any
 
+import torch
 from torch import nn
 
+from dalle_lightning.artifact_schema import refuse_interpolations, shown
 from dalle_lightning.safe_files import UnsafeFile, check_plain
 
 # _target_ -> (module, attribute): every model class a stage saves (conf/model/*.yaml).
@@ -38,6 +47,7 @@ def checked_config(config: Any, path: str | os.PathLike) -> tuple[str, dict[str,
     if not isinstance(config, Mapping):
         raise UnsafeFile(f"{where!r}: its config is a {type(config).__name__}; expected a dict with _target_ "
                          "(a file written by dalle-train)")
+    refuse_interpolations(config, path, "config")  # first: a stored expression is named as such
     target = config.get("_target_")
     if target not in MODEL_TARGETS:
         raise UnsafeFile(f"{where!r} asks to build {target!r}, which is not one of the project's models, so nothing "
@@ -51,6 +61,7 @@ def checked_config(config: Any, path: str | os.PathLike) -> tuple[str, dict[str,
         if "_target_" in repr(value):
             raise UnsafeFile(f"{where!r}: config.{key} holds a nested _target_; expected plain keyword arguments "
                              f"of {target}")
+    check_types(target, kwargs, where)
     if target == CLIP_TARGET:
         name = kwargs.get("name", "")
         if isinstance(name, str) and name.startswith("hf-hub:"):
@@ -59,6 +70,56 @@ def checked_config(config: Any, path: str | os.PathLike) -> tuple[str, dict[str,
         # The file's own weights replace any pretrained ones: never open another file the config names.
         kwargs["pretrained"] = None
     return target, kwargs
+
+
+@cache
+def signature(target: str) -> dict[str, inspect.Parameter]:
+    """The keyword arguments of an allow-listed target, their annotations evaluated (the module is the project's)."""
+    module, attribute = MODEL_TARGETS[target]
+    function = getattr(importlib.import_module(module), attribute)
+    return dict(inspect.signature(function, eval_str=True).parameters)
+
+
+def conforms(value: Any, annotation: Any) -> bool:
+    """Whether the plain value ``value`` is of ``annotation`` (ints are not bools; a path or device is a str)."""
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True
+    if annotation is None or annotation is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, option) for option in typing.get_args(annotation))
+    if annotation in (bool, int, str):
+        return type(value) is annotation
+    if annotation is float:
+        return type(value) in (int, float)
+    if origin in (Sequence, list, tuple) or annotation in (list, tuple):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        return isinstance(value, list) and all(conforms(v, args[0]) for v in value) if args else isinstance(value, list)
+    if annotation is torch.device or (isinstance(annotation, type) and issubclass(annotation, PurePath)):
+        return isinstance(value, str)
+    return False
+
+
+def check_types(target: str, kwargs: Mapping[str, Any], where: str) -> None:
+    """Each keyword argument of ``target`` is one its signature names, of the type it annotates; every required
+    one is given. One :class:`UnsafeFile` line naming the file and the key otherwise."""
+    parameters = signature(target)
+    for key, value in kwargs.items():
+        parameter = parameters.get(key)
+        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise UnsafeFile(f"{where!r}: config.{key} is not an argument of {target}; expected some of "
+                             f"{sorted(parameters)}")
+        annotation = parameter.annotation
+        if annotation is not parameter.empty and not conforms(value, annotation):
+            name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+            raise UnsafeFile(f"{where!r}: config.{key}={shown(value)} is a {type(value).__name__}; expected {name} "
+                             f"(the type {target} takes)")
+    missing = [k for k, p in parameters.items() if p.default is p.empty and k not in kwargs
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if missing:
+        raise UnsafeFile(f"{where!r}: the config lacks {missing}, required by {target}; expected a file written by "
+                         "dalle-train")
 
 
 def build_model(config: Any, path: str | os.PathLike) -> nn.Module:

@@ -56,12 +56,12 @@ TINY_DVAE_CONFIG = {"_target_": "dalle_lightning.models.dvae.DiscreteVAE", "imag
 def _save_dvae(path: Path, seed: int) -> dict:
     from hydra.utils import instantiate
 
-    from dalle_lightning.artifacts import save_model
+    from dalle_lightning.artifacts import read_file, save_model
 
     torch.manual_seed(seed)
     dvae = instantiate(TINY_DVAE_CONFIG)
     blob = save_model(path, TINY_DVAE_CONFIG, dvae, meta={"stage": "dvae", "vocab_size": 32, "grid_size": 8})
-    return torch.load(blob, weights_only=False)["meta"]
+    return read_file(blob)["meta"]
 
 
 @pytest.fixture(scope="session")

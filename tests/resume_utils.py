@@ -85,7 +85,8 @@ def train_killed(overrides: list[str]) -> None:
 
 def max_dw(a: Path, b: Path) -> float:
     """Largest absolute difference between two artifacts' weights (they must hold the same tensors)."""
-    sa = torch.load(a, map_location="cpu", weights_only=True)["state_dict"]
-    sb = torch.load(b, map_location="cpu", weights_only=True)["state_dict"]
+    from dalle_lightning.artifacts import read_file
+
+    sa, sb = read_file(a)["state_dict"], read_file(b)["state_dict"]
     assert set(sa) == set(sb)
     return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)

@@ -227,10 +227,10 @@ def test_an_old_file_holding_more_than_data_is_refused_then_converted_once(tiny_
     from omegaconf import OmegaConf
 
     from dalle_lightning import convert_artifact
-    from dalle_lightning.artifacts import load_artifact, load_model
+    from dalle_lightning.artifacts import load_artifact, load_model, read_file
     from dalle_lightning.safe_files import UnsafeFile
 
-    blob = torch.load(tiny_artifacts / "dvae.pt", weights_only=True)
+    blob = read_file(tiny_artifacts / "dvae.pt")
     old = tmp_path / "old.pt"
     torch.save({**blob, "config": OmegaConf.create(blob["config"]), "meta": {**blob["meta"], "src": tmp_path}}, old)
     with pytest.raises(UnsafeFile, match=r"^dalle-lightning model file '.*old.pt' asks for the global omegaconf\.") as info:

@@ -453,11 +453,11 @@ def check_encode(ran: Ran, download: Any, work: Path) -> None:
 
 
 def check_prior(ran: Ran, download: Any, work: Path) -> None:
-    import torch
+    from dalle_lightning.artifacts import read_file
 
     counts = {r: n for r, n in skip_counts(ran).items() if n}
     assert not counts, f"the prior skipped token samples {counts}:\n{ran.tail()}"
-    blob = torch.load(work / "prior.pt", map_location="cpu", weights_only=True)
+    blob = read_file(work / "prior.pt")
     text_len = blob["meta"].get("text_len") or blob["config"].get("text_len")
     longest = max(len(s["ids"]) for s in token_samples(work / "tokens"))
     assert text_len >= longest, (f"the prior has text_len={text_len} but the token shards hold captions of "

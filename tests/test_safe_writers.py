@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
+from dalle_lightning.artifacts import read_file
 from dalle_lightning.data.datamodule import ImageTextDataModule
 from dalle_lightning.world import write_world
 from tests.conftest import run_app
@@ -107,7 +107,7 @@ def test_prior_training_refuses_token_shards_of_another_dvae(tiny_artifacts: Pat
 
     (tmp_path / "tokens" / "train").mkdir(parents=True)
     (tmp_path / "tokens" / "train" / "000000.tar").write_bytes(b"")
-    other = torch.load(tiny_artifacts / "other_dvae.pt", weights_only=True)["meta"]
+    other = read_file(tiny_artifacts / "other_dvae.pt")["meta"]
     write_marker(tmp_path / "tokens" / "train", "tokens", dvae={"sha256": other["sha256"], "vocab_size": 32})
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["stage=prior", f"paths.work_dir={tiny_artifacts}",

@@ -43,9 +43,9 @@ def train(work: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def plain_artifact(path: Path) -> dict[str, torch.Tensor]:
     """The saved state dict: whole tensors (no DTensor, no shard), loadable by the plain model."""
-    from dalle_lightning.artifacts import load_model
+    from dalle_lightning.artifacts import load_model, read_file
 
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    state = read_file(path)["state_dict"]
     assert all(type(v) is torch.Tensor and torch.isfinite(v).all() for v in state.values())
     model = load_model(path)
     assert set(model.state_dict()) == set(state)

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dalle_lightning.artifacts import read_file
 from tests.conftest import ROOT
 from tests.test_sharded_stages import free_port
 
@@ -81,7 +82,7 @@ def _job(sweep: Path, compile_: bool, dtype: str) -> dict:
                 for key, value in row.items():
                     if value not in ("", None) and key != "step":
                         per_step.setdefault(key, {})[int(row["step"])] = float(value)
-            weights = torch.load(run / "prior.pt", map_location="cpu", weights_only=True)["state_dict"]
+            weights = read_file(run / "prior.pt")["state_dict"]
             return {"metrics": blob["metrics"], "per_step": per_step, "weights": weights, "dir": run}
     raise AssertionError(f"no run with model.compile={compile_} precision.dtype={dtype} in {sweep}")
 

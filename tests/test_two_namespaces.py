@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dalle_lightning.artifacts import read_file
 from tests.test_torchrun_two_nodes import tiny_prior_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,9 +176,7 @@ def test_a_failed_link_or_node_ends_both_and_resume_continues(hosts: two_hosts.T
     assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, f"{failure}/resumed"))
     assert "resum" in (work / failure / "resumed" / "node0.log").read_text().lower()
 
-    got = torch.load(work / failure / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
-    want = torch.load(uninterrupted, map_location="cpu", weights_only=False)
-    got, want = got.get("state_dict", got), want.get("state_dict", want)
+    got, want = read_file(work / failure / "resumed" / "prior.pt")["state_dict"], read_file(uninterrupted)["state_dict"]
     for key, value in want.items():
         if torch.is_tensor(value):
             assert torch.equal(got[key], value), key
@@ -227,9 +226,8 @@ def test_local_steps_link_cut_before_a_sync_ends_both_and_resumes_mid_cycle(
     _no_process_left(hosts)
     resumed = start(hosts, work, f"{name}/resumed", 1, *run, "resume=auto", runs=runs, strategy="local_steps")
     assert wait(resumed, timeout=240) == [0, 0], tail(logs(work, f"{name}/resumed"))
-    got = torch.load(work / name / "resumed" / "prior.pt", map_location="cpu", weights_only=False)
-    want = torch.load(work / name / "straight" / "prior.pt", map_location="cpu", weights_only=False)
-    got, want = got.get("state_dict", got), want.get("state_dict", want)
+    got = read_file(work / name / "resumed" / "prior.pt")["state_dict"]
+    want = read_file(work / name / "straight" / "prior.pt")["state_dict"]
     for key, value in want.items():
         if torch.is_tensor(value):
             assert torch.equal(got[key], value), key

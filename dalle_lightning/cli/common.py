@@ -146,8 +146,8 @@ def fast_path_errors_in_run_dir(main: Callable[[DictConfig], Any]) -> Callable[[
 
 def _hydra_error_line(exc: BaseException) -> str:
     """One line from Hydra's multi-line composition errors: its first line, the cause's first line, the hint."""
-    resolved = re.match(r"(KeyError|ValueError|FileNotFoundError) raised while resolving interpolation: (.*)",
-                        str(exc).strip())
+    resolved = re.match(r"(KeyError|ValueError|UnsafeFile|FileNotFoundError) raised while resolving "
+                        r"interpolation: (.*)", str(exc).strip())
     if isinstance(exc, InterpolationResolutionError) and resolved:
         # A value read from an artifact (${meta:...}): the artifact's own one line, under the key that read it
         # (OmegaConf keeps the cause only in the message).
