@@ -28,12 +28,27 @@ import os
 import signal
 import threading
 import time
+import warnings
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
+
+
+def within_dirpath(filepath: str | os.PathLike, dirpath: str | os.PathLike | None) -> bool:
+    """Whether the local file ``filepath``, resolved, lies under the resolved ``dirpath``; a remote URL (which
+    nothing resolves) must start with ``dirpath`` and hold no ``..``."""
+    if dirpath is None:
+        return False
+    if "://" in os.fspath(filepath) and not os.fspath(filepath).startswith("file://"):
+        url, folder_url = os.fspath(filepath), os.fspath(dirpath).rstrip("/") + "/"
+        return url.startswith(folder_url) and ".." not in url.split("/")
+    folder = Path(os.fspath(dirpath).removeprefix("file://")).resolve()
+    path = Path(os.fspath(filepath).removeprefix("file://")).resolve()
+    return folder in path.parents
 
 
 class PacedCheckpoint(ModelCheckpoint):
@@ -165,6 +180,17 @@ class PacedCheckpoint(ModelCheckpoint):
             lightning_handler(signal.SIGTERM, None)  # trainer.received_sigterm: Lightning's own graceful stop
         else:  # pragma: no cover - Lightning registers its handler before training starts
             trainer._signal_connector.received_sigterm = True
+
+    @override
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Delete ``filepath`` only when it lies inside this callback's own checkpoint directory once both are
+        resolved (``..`` and links followed). Lightning decides with ``Path.absolute()``, which keeps ``..``: a
+        resumed checkpoint's ``last_model_path`` of ``<dirpath>/../../FILE`` would otherwise delete ``FILE``."""
+        if not within_dirpath(filepath, self.dirpath):
+            warnings.warn(f"{type(self).__name__} kept {str(filepath)!r}: it lies outside its checkpoint directory "
+                          f"{self.dirpath!r} once resolved, and only files there are deleted")
+            return
+        super()._remove_checkpoint(trainer, filepath)
 
     def _decide(self, step: int) -> tuple[bool, int]:
         """Rank 0's decision at update ``step``: save now, and the updates until the next decision (at least 1;

@@ -29,9 +29,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
+from dalle_lightning.plain_yaml import read_yaml, refuse_stored
+from dalle_lightning.run.checkpoint_paths import check_callback_paths
 from dalle_lightning.safe_files import UnsafeFile, load_data
 from dalle_lightning_plugins.io.checkpoint_io import checkpoint_problem
 
@@ -128,11 +129,12 @@ def sweep_job_runs(sweep_dir: Path, overrides: Iterable[str]) -> list[Path]:
     for job in sweep_dir.glob("*"):
         saved = job / ".hydra" / "overrides.yaml"
         if job.is_dir() and saved.is_file():
-            try:
-                if _job_key(OmegaConf.load(saved) or []) == want:
-                    jobs.append(job)
-            except (OSError, OmegaConfBaseException, ValueError):
+            try:  # the texts Hydra saved, compared as texts: a ${...} in one is never resolved
+                listed = read_yaml(saved)
+            except (OSError, ValueError):
                 continue  # a job directory Hydra did not finish making
+            if isinstance(listed, list) and _job_key(str(o) for o in listed) == want:
+                jobs.append(job)
     return jobs
 
 
@@ -197,8 +199,12 @@ def check_data(path: str | Path, key: str) -> None:
     save neither). Sharded checkpoint directories are read by the strategy's own loader, which refuses the same way."""
     path = Path(path)
     if path.is_dir():
+        from dalle_lightning_plugins.io.dcp_checkpoint import read_metadata
+
+        saved = read_metadata(path, weights_only=True)  # callbacks, loops and hyper-parameters, as data
+        check_plain_state(saved, path, key)
         return
-    what, fix = f"{key}: checkpoint", "resume from a checkpoint dalle-train wrote"
+    what, fix = f"{key.rstrip(':')}: checkpoint", "resume from a checkpoint dalle-train wrote"
     try:
         saved = load_data(path, what, fix, mmap=True)
     except RuntimeError:  # an archive torch cannot map (written by an old torch): read it whole, as data too
@@ -211,6 +217,17 @@ def check_data(path: str | Path, key: str) -> None:
     if builds:
         raise UnsafeFile(f"{what} {str(path)!r} asks to build {hparams[builds[0]]!r} (hyper_parameters.{builds[0]}), "
                          f"which dalle-train never writes, so it was not used; expected a checkpoint dalle-train wrote")
+    check_plain_state(saved, path, key)
+
+
+def check_plain_state(saved: dict, path: Path, key: str) -> None:
+    """The checkpoint's values that are not tensors stay values: its hyper-parameters hold no interpolation
+    (``${...}``, which nothing resolves from a file: refused in one line naming the key), and every path in its
+    callback states lies inside the checkpoint directory the state names (:mod:`.checkpoint_paths`)."""
+    if isinstance(saved, dict):
+        refuse_stored(saved.get("hyper_parameters"), path, "hyper_parameters",
+                      "resume from a checkpoint dalle-train wrote", what=f"{key.rstrip(':')}: checkpoint")
+        check_callback_paths(saved, path, key)
 
 
 LAUNCH_FILE = "launch.json"  # in a run directory: when it began and the launch it belongs to (start_decision.py)

@@ -1,0 +1,83 @@
+"""The paths a checkpoint's callback states name stay inside the checkpoint directory they name.
+
+``ModelCheckpoint`` (and the project's :class:`~dalle_lightning_callbacks.paced_checkpoint.PacedCheckpoint`) keeps
+the files it wrote in its state: ``dirpath``, ``best_model_path``, ``last_model_path``, ``kth_best_model_path`` and
+the keys of ``best_k_models``. A resumed fit loads them and, at its next save, deletes the "previous" file they name
+when it lies under its own checkpoint directory, which Lightning decides with ``Path.absolute()``: that keeps
+``..``, so ``<run>/checkpoints/../../FILE`` counts as inside and ``FILE`` is deleted, outside the run.
+
+So before any resume (``resume=PATH``, ``resume=auto``, a launcher's restart) every such path is checked:
+written as Lightning writes it (absolute, no ``..``: Lightning stores the ``realpath`` of its directory) and, once
+resolved (``Path.resolve()``: ``..`` and links followed), under the resolved ``dirpath`` the same state names as its
+run's checkpoint directory (the checkpoint's own folder when it names none). Anything else refuses the checkpoint
+in one line naming the key. A checkpoint copied from another machine still resumes: its paths name its old
+folder, where a new run deletes nothing (the callbacks delete only inside their own resolved ``dirpath``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+PATH_KEYS = ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path")
+PATHS_KEY = "best_k_models"  # its keys are paths
+
+
+class OutsidePath(ValueError):
+    """A checkpoint's callback state names a file outside its own checkpoint directory. One line."""
+
+
+def stored_paths(state: Mapping[str, Any], where: str) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` of every path ``state`` (one callback's state) holds, ``key`` spelled for an error line."""
+    for key in PATH_KEYS:
+        value = state.get(key)
+        if value not in (None, ""):
+            yield f"{where}.{key}", value
+    best = state.get(PATHS_KEY)
+    if isinstance(best, Mapping):
+        for i, value in enumerate(best):
+            yield f"{where}.{PATHS_KEY} (key {i})", value
+    elif best not in (None, {}):
+        yield f"{where}.{PATHS_KEY}", best
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether the resolved ``path`` is ``folder`` or lies under it (both resolved by the caller)."""
+    return path == folder or folder in path.parents
+
+
+def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike, key: str) -> None:
+    """Raise a one-line :class:`OutsidePath` (``key`` first) unless every path in the callback states of
+    ``saved`` (a loaded checkpoint, or a sharded checkpoint's metadata) lies inside its state's own resolved
+    checkpoint directory (see the module docstring). ``checkpoint`` is where ``saved`` was read from."""
+    callbacks = saved.get("callbacks")
+    if callbacks is None:
+        return
+    shown = f"{key.rstrip(':')}: checkpoint {os.fspath(checkpoint)!r}"
+    expected = "expected a checkpoint dalle-train wrote, whose files stay in its run's checkpoints/ folder"
+    if not isinstance(callbacks, Mapping):
+        raise OutsidePath(f"{shown}: callbacks is a {type(callbacks).__name__}; expected callback states by name")
+    own_folder = Path(checkpoint).resolve().parent
+    for name, state in callbacks.items():
+        if not isinstance(state, Mapping):
+            continue
+        where = f"callbacks[{str(name)!r}]"
+        dirpath = state.get("dirpath")
+        folder = Path(dirpath).resolve() if isinstance(dirpath, str) and dirpath else own_folder
+        for entry, value in stored_paths(state, where):
+            if not isinstance(value, str):
+                raise OutsidePath(f"{shown}: {entry} is a {type(value).__name__}; expected a path ({expected})")
+            if "://" in value or (isinstance(dirpath, str) and "://" in dirpath):  # remote: compared as text
+                if ".." in value.split("/") or not value.startswith(str(dirpath).rstrip("/")):
+                    raise OutsidePath(f"{shown}: {entry} is {value!r}, outside its checkpoint directory "
+                                      f"{dirpath!r}, so the checkpoint was not used and nothing was deleted; {expected}")
+                continue
+            written = Path(value)
+            if not written.is_absolute() or ".." in written.parts:
+                raise OutsidePath(f"{shown}: {entry} is {value!r}, which Lightning never writes (a relative path or "
+                                  f"one with '..'), so the checkpoint was not used and nothing was deleted; {expected}")
+            if not inside(written.resolve(), folder):
+                raise OutsidePath(f"{shown}: {entry} is {value!r}, outside its checkpoint directory {str(folder)!r} "
+                                  f"once resolved, so the checkpoint was not used and nothing was deleted; {expected}")
