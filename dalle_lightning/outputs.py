@@ -18,6 +18,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from dalle_lightning.plain_yaml import refuse_stored
 from dalle_lightning_plugins.io.atomic_files import write_json
 
 MARKER = ".dalle-lightning.json"
@@ -29,13 +30,20 @@ CANDIDATE = re.compile(r"^\d+_\d+\.png$")
 
 
 def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The marker of ``folder``, or None when it has none (or an unreadable one)."""
+    """The marker of ``folder``, or None when it has none (or an unreadable one).
+
+    Its values are plain JSON, and stay plain: the records in it (the dVAE and tokenizer that made token shards)
+    travel on into a prior's ``meta.trained_with``, so a string holding ``${`` (which no writer puts there) is
+    refused in one line naming the file and the key (``plain_yaml.refuse_stored``), never passed on."""
     path = Path(folder) / MARKER
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    refuse_stored(record, path, fix=f"a marker a dalle-lightning command wrote (or delete {MARKER})")
+    return record
 
 
 def write_marker(folder: str | os.PathLike, kind: str, **record: Any) -> None:

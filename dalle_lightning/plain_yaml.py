@@ -12,6 +12,7 @@ whose one line names the file and the key but never the text, let alone what it 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,4 +70,5 @@ def refuse_stored(value: Any, path: str | os.PathLike, where: str = "", fix: str
 
 def escaped(text: str) -> str:
     """``text`` as an OmegaConf string value that reads back as exactly ``text`` (``${`` escaped, never resolved)."""
-    return text.replace(INTERPOLATION, "\\" + INTERPOLATION)
+    # a backslash before "${" escapes it, and backslashes right before one escape each other: double them first
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)

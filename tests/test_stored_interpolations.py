@@ -91,3 +91,48 @@ def test_refuse_stored_names_the_file_and_key_never_the_text(tmp_path: Path, mon
     line = str(info.value)
     assert len(line.splitlines()) == 1 and repr(str(path)) in line and "model.layers[1]" in line
     assert SECRET not in line and "oc.env" not in line
+
+
+def test_a_marker_holding_an_interpolation_is_refused_in_one_line(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A marker's records travel on into a prior's ``meta.trained_with``: a ``${`` in one never does."""
+    from dalle_lightning.outputs import MARKER, claim
+
+    monkeypatch.setenv("SECRET_TOKEN", SECRET)
+    folder = tmp_path / "tokens" / "train"
+    folder.mkdir(parents=True)
+    (folder / "000000.tar").write_bytes(b"")
+    record = {"kind": "tokens", "writer": "dalle-encode", "dvae": {"sha256": "${oc.env:SECRET_TOKEN}"}}
+    (folder / MARKER).write_text(json.dumps(record))
+    with pytest.raises(StoredInterpolation) as info:
+        claim(folder, "tokens")
+    line = str(info.value)
+    assert len(line.splitlines()) == 1 and repr(str(folder / MARKER)) in line and "dvae.sha256" in line
+    assert SECRET not in line and (folder / "000000.tar").exists()
+
+
+def test_escaped_text_reads_back_from_omegaconf_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omegaconf import OmegaConf
+
+    from dalle_lightning.plain_yaml import escaped
+
+    monkeypatch.setenv("SECRET_TOKEN", SECRET)
+    for text in ("/runs/${oc.env:SECRET_TOKEN}", "/runs/\\${oc.env:SECRET_TOKEN}", "a\\\\${oc.env:SECRET_TOKEN}${x}",
+                 "plain\\path"):
+        assert OmegaConf.create({"run": escaped(text)}).run == text
+
+
+def test_a_run_directory_named_with_dollar_brace_is_checked_as_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``hydra.run.dir='...\\${...}'`` names a literal ``${``; its check reads it back as that text."""
+    from dalle_lightning.cli import train
+    from tests.conftest import run_app
+
+    monkeypatch.setenv("SECRET_TOKEN", SECRET)
+    taken = tmp_path / "r${oc.env:SECRET_TOKEN}"
+    taken.write_text("a file, not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        run_app(train.main, "stage=dvae", f"paths.work_dir={tmp_path}", f"hydra.run.dir={tmp_path}/r\\${{oc.env:SECRET_TOKEN}}")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "a directory, not a file" in err and str(taken) in err and SECRET not in err

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 from typing_extensions import override
 
+from dalle_lightning.plain_yaml import escaped
 from dalle_lightning.cli import checks
 from dalle_lightning.run import run_lock
 from dalle_lightning.cli.common import fail, process_rank
@@ -108,7 +109,7 @@ class RunGuard(Callback):
             for key in self.files:
                 if resolved(config, key) is not None:
                     checks.output_file(config, key)
-            checks.output_dir(OmegaConf.create({"run": run_dir}), "run")
+            checks.output_dir(OmegaConf.create({"run": escaped(run_dir)}), "run")  # the resolved path, as text
         except ValueError as exc:
             message = str(exc)
             fail(message.replace("run=", f"{dir_key}=", 1) if message.startswith("run=") else message)
