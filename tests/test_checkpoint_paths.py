@@ -87,6 +87,9 @@ def test_a_resolved_path_outside_the_named_directory_is_refused_a_copied_checkpo
     with pytest.raises(ValueError, match=r"last_model_path is .* outside its checkpoint directory") as info:
         check_data(linked, "resume")
     assert len(str(info.value).splitlines()) == 1
+    whole = _crafted(tiny_checkpoint, tmp_path / "whole.ckpt", dirpath=str(tmp_path), best_model_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"best_model_path is .* outside its checkpoint directory"):
+        check_data(whole, "resume")  # Lightning would remove the folder itself (recursively)
     relative = _crafted(tiny_checkpoint, tmp_path / "relative.ckpt", last_model_path="FILE")
     with pytest.raises(ValueError, match=r"last_model_path is 'FILE', which Lightning never writes"):
         check_data(relative, "resume")

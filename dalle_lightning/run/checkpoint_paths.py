@@ -43,9 +43,10 @@ def stored_paths(state: Mapping[str, Any], where: str) -> Iterator[tuple[str, An
         yield f"{where}.{PATHS_KEY}", best
 
 
-def inside(path: Path, folder: Path) -> bool:
-    """Whether the resolved ``path`` is ``folder`` or lies under it (both resolved by the caller)."""
-    return path == folder or folder in path.parents
+def inside(path: Path, folder: Path, itself: bool = False) -> bool:
+    """Whether the resolved ``path`` lies under ``folder`` (both resolved by the caller), or is it (``itself``: the
+    ``dirpath`` entry; a file entry naming the folder would have Lightning remove the whole folder)."""
+    return (itself and path == folder) or folder in path.parents
 
 
 def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike, key: str) -> None:
@@ -78,6 +79,6 @@ def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike
             if not written.is_absolute() or ".." in written.parts:
                 raise OutsidePath(f"{shown}: {entry} is {value!r}, which Lightning never writes (a relative path or "
                                   f"one with '..'), so the checkpoint was not used and nothing was deleted; {expected}")
-            if not inside(written.resolve(), folder):
+            if not inside(written.resolve(), folder, itself=entry.endswith(".dirpath")):
                 raise OutsidePath(f"{shown}: {entry} is {value!r}, outside its checkpoint directory {str(folder)!r} "
                                   f"once resolved, so the checkpoint was not used and nothing was deleted; {expected}")
