@@ -10,7 +10,7 @@ So each space has a name that goes into every score measured in it: ``clip`` for
 Both are used through :class:`~dalle_lightning.generation.rerank.Reranker` (``embed_images``, ``embed_texts``: unit-
 norm embeddings of [0, 1] images resized to the model's input, and of captions). Weights are read from a local file
 only, as data (open_clip's ``torch.load(weights_only=True)``); a pretrained *tag* (``openai``, ...) is refused, so
-nothing is downloaded.
+nothing is downloaded, and so is a model named by a place (``local-dir:``, ``hf-hub:``, a path).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ def check_open_clip(spec: Any, key: str = "open_clip") -> tuple[str, str] | None
     model, pretrained = spec["model"], spec["pretrained"]
     from dalle_lightning.models import clip as clip_models
 
+    # A name only: open_clip reads a local-dir: name from another folder (its own weights, not `pretrained`) and
+    # downloads an hf-hub: one, so neither is asked of it here.
     try:
-        ok = isinstance(model, str) and clip_models.model_config(model) is not None
-    except (ValueError, FileNotFoundError):
+        ok = clip_models.is_plain_name(model) and clip_models.model_config(model) is not None
+    except ValueError:  # unknown here
         ok = False
     if not ok:
         raise ValueError(f"{key}.model={model!r}; expected an open_clip architecture name (one of "

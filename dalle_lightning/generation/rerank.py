@@ -70,7 +70,7 @@ class Reranker(nn.Module):
         prefix = "model."
         state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
         check_plain(checkpoint["open_clip_spec"], path, "open_clip_spec")
-        model = clip_models.from_spec(checkpoint["open_clip_spec"], state)
+        model = clip_models.from_spec(checkpoint["open_clip_spec"], state, path)  # a model's name, not a place
         return cls.from_model(model).to(device)
 
     @property

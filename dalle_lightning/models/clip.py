@@ -14,12 +14,17 @@ BPE vocabulary so that the stock open_clip tokenizer works unchanged.
 Every model built here carries ``open_clip_spec`` (name, architecture config and preprocessing config), so a
 checkpoint can rebuild it without the code that made it, and :func:`save` writes the ``local-dir:`` layout
 that ``open_clip.create_model("local-dir:<dir>")`` reads directly.
+
+A model file names a model, never a place: open_clip reads ``local-dir:<dir>`` from that folder and downloads
+``hf-hub:<repo>``, so a name read from a file (a model file's ``config.name``, a checkpoint's ``open_clip_spec``)
+must be a plain model name (:func:`check_file_model_name`) before open_clip sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import tempfile
 from collections.abc import Iterator
@@ -46,6 +51,10 @@ SHAPES_CLIP_CONFIG: dict[str, Any] = {
 
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_pytorch_model.bin"
+# What open_clip reads a model's name with: letters, digits and _.+- only (no ":" of a schema such as local-dir: or
+# hf-hub:, no "/" of a path or URL), which is also what register_config writes as a file name.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+HF_HUB = "hf-hub:"
 
 _registry_dir: Path | None = None
 
@@ -56,7 +65,7 @@ def register_config(name: str, model_cfg: dict[str, Any]) -> None:
     open_clip's only public registration hook reads JSON files named ``<name>.json``, so the config is written
     to a private temporary directory added to its search path.
     """
-    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+    if not PLAIN_NAME.fullmatch(name):
         raise ValueError(f"open_clip config name {name!r} must use only letters, digits and _.+-")
     if not all(k in model_cfg for k in ("embed_dim", "vision_cfg", "text_cfg")):
         raise ValueError(f"config for {name!r} has keys {sorted(model_cfg)}; expected embed_dim, vision_cfg, text_cfg")
@@ -74,6 +83,32 @@ def register_config(name: str, model_cfg: dict[str, Any]) -> None:
 def _ensure_default_registered() -> None:
     if open_clip.get_model_config(SHAPES_CLIP) is None:
         register_config(SHAPES_CLIP, SHAPES_CLIP_CONFIG)
+
+
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` names a model rather than a place open_clip would read it from (``local-dir:``,
+    ``hf-hub:``, a path, a URL)."""
+    return isinstance(name, str) and bool(PLAIN_NAME.fullmatch(name)) and name not in (".", "..")
+
+
+def check_file_model_name(name: Any, path: str | os.PathLike, key: str, registered: bool = True) -> str:
+    """``name`` read from the file ``path`` at ``key``, if it is a plain open_clip model name (with ``registered``,
+    one of ``open_clip.list_models()``); otherwise a one-line :class:`~dalle_lightning.safe_files.UnsafeFile`
+    naming the file and the key, before open_clip is called with it (it would read another folder or download)."""
+    from dalle_lightning.safe_files import UnsafeFile
+
+    shown = repr(name)[:200]
+    where = f"{os.fspath(path)!r}: {key}={shown}"
+    if not is_plain_name(name):
+        raise UnsafeFile(f"{where} names a place to read a model from (a local-dir: or hf-hub: name, a path or a "
+                         "URL), not a model, so nothing was opened; expected an open_clip model name such as "
+                         f"{SHAPES_CLIP!r} or 'ViT-B-32' (the file's own weights are the model's)")
+    if registered:
+        _ensure_default_registered()
+        if name not in open_clip.list_models():
+            raise UnsafeFile(f"{where} is not an open_clip model known here; expected one of "
+                             "open_clip.list_models(), e.g. 'ViT-B-32' or " + repr(SHAPES_CLIP))
+    return name
 
 
 def model_config(name: str) -> dict[str, Any]:
@@ -97,6 +132,9 @@ def create(
     ``device="meta"`` builds without allocating memory (useful to inspect paper-size models). Returns a real
     open_clip model (``open_clip.model.CLIP`` or a subclass) with an ``open_clip_spec`` attribute.
     """
+    if isinstance(name, str) and name.startswith(HF_HUB):
+        raise ValueError(f"open_clip model {name!r} would be downloaded; expected an open_clip model name or "
+                         "'local-dir:<dir>' (nothing is ever downloaded)")
     cfg = model_config(name)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(
@@ -141,12 +179,14 @@ def spec_of(model: nn.Module) -> dict[str, Any]:
     return spec
 
 
-def from_spec(spec: dict[str, Any], state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """Rebuild a model from its spec (as stored in a checkpoint), registering its config under its name."""
-    name = spec["name"]
-    if open_clip.get_model_config(name) != spec["model_cfg"]:
-        # local-dir:/hf-hub: names, or a config unknown in this process: register it under a plain name.
-        name = re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
+def from_spec(spec: dict[str, Any], state_dict: dict[str, torch.Tensor] | None = None,
+              path: str | os.PathLike = "open_clip_spec") -> nn.Module:
+    """Rebuild a model from its spec (as stored in the checkpoint ``path``), registering its config under its name.
+
+    The spec carries the architecture, so its name need not be known here, but it must be a plain name: asked
+    for ``local-dir:``/``hf-hub:`` names, open_clip would read another folder or download."""
+    name = check_file_model_name(spec["name"], path, "open_clip_spec.name", registered=False)
+    if open_clip.get_model_config(name) != spec["model_cfg"]:  # a config unknown in this process, or another one
         register_config(name, spec["model_cfg"])
     model = create(name)
     if state_dict is not None:
