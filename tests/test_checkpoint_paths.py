@@ -123,3 +123,25 @@ def test_the_checkpoint_callback_deletes_only_inside_its_resolved_dirpath(tmp_pa
         callback._remove_checkpoint(trainer, crafted)
     callback._remove_checkpoint(trainer, str(inside))
     assert outside.read_text() == "keep" and not inside.exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_auto_refuses_the_newest_checkpoint_when_it_names_a_file_outside(
+        tiny_checkpoint: Path, resume_work: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dalle_lightning.cli import train
+
+    runs = tmp_path / "runs"
+    earlier = runs / "dvae" / "2026-01-01_00-00-00_abcd" / "checkpoints"  # an earlier run: what auto takes
+    earlier.mkdir(parents=True)
+    victim = runs / "FILE"
+    victim.write_text("not a checkpoint")
+    ckpt_dir = os.path.realpath(earlier)
+    _crafted(tiny_checkpoint, earlier / "last.ckpt", dirpath=ckpt_dir, best_model_path="", kth_best_model_path="",
+             best_k_models={}, last_model_path=f"{ckpt_dir}/../../../FILE")
+    with pytest.raises(SystemExit) as exit_info:
+        run_app(train.main, *_args(resume_work, runs / "dvae" / "resumed", tmp_path / "out.pt", "trainer.max_steps=4",
+                                   f"paths.runs={runs}", "resume=auto"))
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: resume: checkpoint '{earlier / 'last.ckpt'}'") and ".last_model_path" in errors[0]
+    assert victim.read_text() == "not a checkpoint" and not (tmp_path / "out.pt").exists()
