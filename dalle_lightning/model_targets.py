@@ -63,10 +63,10 @@ def checked_config(config: Any, path: str | os.PathLike) -> tuple[str, dict[str,
                              f"of {target}")
     check_types(target, kwargs, where)
     if target == CLIP_TARGET:
-        name = kwargs.get("name", "")
-        if isinstance(name, str) and name.startswith("hf-hub:"):
-            raise UnsafeFile(f"{where!r}: config.name={name!r} would download a model; expected an open_clip "
-                             "architecture name (its weights are the file's own)")
+        if "name" in kwargs:  # a model's name, not a folder (local-dir:) or a download (hf-hub:)
+            from dalle_lightning.models.clip import check_file_model_name
+
+            check_file_model_name(kwargs["name"], path, "config.name")
         # The file's own weights replace any pretrained ones: never open another file the config names.
         kwargs["pretrained"] = None
     return target, kwargs
