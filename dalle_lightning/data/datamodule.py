@@ -34,8 +34,8 @@ from dalle_lightning.data.resumable_loader import ResumableLoader
 from dalle_lightning.data.shards import consumer_index, split_for
 from dalle_lightning.data.skips import SharedCounts, SkipCounter, read_shards
 from dalle_lightning.data.splits import Split, probe, resolve_splits
-from dalle_lightning.data.transforms import (CONVERSIONS, WHITE, background_colour, center_square_resize, decode_image,
-                                             paper_augment, to_tensor)
+from dalle_lightning.data.transforms import (CONVERSIONS, WHITE, ImageTooLarge, background_colour, center_square_resize,
+                                             decode_image, paper_augment, to_tensor)
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +342,9 @@ class ImageTextDataModule(WebDataModule):
             return None
         try:
             img = decode_image(data, self.background, lambda name: self.converted.add(name, key))
+        except ImageTooLarge as exc:  # a decompression bomb: refused before its pixels were decoded
+            self.skipped.skip("image too large", key, str(exc))
+            return None
         except Exception as exc:  # PIL raises many types for corrupt files
             self.skipped.skip("corrupt image", key, type(exc).__name__)
             return None

@@ -33,6 +33,7 @@ REASONS = (
     "unreadable shard",
     "missing image",
     "corrupt image",
+    "image too large",  # more pixels than data.transforms.MAX_IMAGE_PIXELS: a decompression bomb, never decoded
     "missing caption",
     "caption is not UTF-8",
     "empty caption",

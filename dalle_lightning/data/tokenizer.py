@@ -25,6 +25,31 @@ log = logging.getLogger(__name__)
 PAD_ID = 0
 UNK_ID = 1
 SPECIAL_TOKENS = ["[PAD]", "[UNK]"]
+# A tokenizer.json is read whole, and parsed into several times its size in memory. This project's (16,384 tokens)
+# is about 1 MB and the largest published ones (262,144-token vocabularies) about 33 MB: a file beyond this bound
+# is no tokenizer, and is refused before it is read rather than allowed to exhaust memory.
+MAX_TOKENIZER_BYTES = 64 * 2**20
+
+
+def checked_tokenizer_file(path: str | Path) -> Path:
+    """``path`` if it is a regular file of at most :data:`MAX_TOKENIZER_BYTES`; one line naming it otherwise, before
+    anything of it is read (a device such as ``/dev/zero`` or a FIFO would never end)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; train one with `dalle-train stage=tokenizer`")
+    if not path.is_file():
+        raise ValueError(f"tokenizer file {str(path)!r} is not a regular file; expected a tokenizer.json")
+    size = path.stat().st_size
+    if size > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"tokenizer file {str(path)!r} holds {size} bytes, so it was not read; expected a "
+                         f"tokenizer.json of at most {MAX_TOKENIZER_BYTES // 2**20} MiB (the largest published "
+                         "tokenizers are about 33 MB)")
+    return path
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` of the file ``path``, its size checked first (:func:`checked_tokenizer_file`)."""
+    return Tokenizer.from_file(str(checked_tokenizer_file(path)))
 
 
 class CaptionTokenizer:
@@ -70,10 +95,7 @@ class CaptionTokenizer:
 
     @classmethod
     def load(cls, path: str | Path, text_len: int | None = None) -> "CaptionTokenizer":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; train one with `dalle-train stage=tokenizer`")
-        return cls(Tokenizer.from_file(str(path)), text_len)
+        return cls(read_tokenizer(path), text_len)
 
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` atomically (``dalle_lightning_plugins.io.atomic_files``), recording ``text_len``."""

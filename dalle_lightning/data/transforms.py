@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import random
-from collections.abc import Callable, Sequence
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO
 
 import numpy as np
 import torch
@@ -23,6 +28,40 @@ CONVERSIONS = (
     "animation",          # an animated GIF or WebP: its first frame
 )
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+# The most pixels an image may have to be decoded: Pillow's own default bound (a 9,459-px square, 268 MB as RGB).
+# A few kilobytes of PNG or GIF can declare gigapixels (a decompression bomb), and Pillow by itself only warns up to
+# twice its bound (and not at all when a program has set Image.MAX_IMAGE_PIXELS to None); the header's size is
+# checked here against this fixed bound before any pixel is decoded. Training images are cut to a few hundred
+# pixels a side, and photos from all but medium-format cameras (up to about 60 MP) stay below it.
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+class ImageTooLarge(ValueError):
+    """An image whose header declares more than :data:`MAX_IMAGE_PIXELS` pixels; nothing of it was decoded."""
+
+
+@contextlib.contextmanager
+def open_image(source: bytes | str | os.PathLike | IO[bytes]) -> Iterator[Image.Image]:
+    """``Image.open`` (which reads the header only) of ``source`` (bytes, a path or a binary stream), refusing an
+    image that declares more than :data:`MAX_IMAGE_PIXELS` pixels with :class:`ImageTooLarge` before it is decoded."""
+    stream = io.BytesIO(source) if isinstance(source, bytes) else source
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, in one line of ours
+        try:
+            img = Image.open(stream)
+        except Image.DecompressionBombError as exc:  # beyond twice Pillow's bound: it says how many
+            declared = re.search(r"\((\d+) pixels\)", str(exc))
+            raise ImageTooLarge(_too_large(declared.group(1) if declared else "more")) from None
+    with img:
+        width, height = img.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ImageTooLarge(_too_large(f"{width * height} ({width}x{height})"))
+        yield img
+
+
+def _too_large(pixels: str) -> str:
+    return (f"it declares {pixels} pixels, more than the {MAX_IMAGE_PIXELS} an image may have (a possible "
+            "decompression bomb)")
 
 
 def _orientation(img: Image.Image) -> int:
@@ -50,11 +89,12 @@ def decode_image(data: bytes, background: Sequence[int] = WHITE,
     ``convert("RGB")`` alone shows the colour hidden under transparent pixels (often black), trains a phone photo
     sideways and clips 16-bit greyscale to white. Here transparency is composited onto ``background``, the EXIF
     orientation is applied, and ``I;16`` is scaled to 8 bits. ``converted`` is called with each of
-    ``CONVERSIONS`` the image needed.
+    ``CONVERSIONS`` the image needed. An image that declares more than :data:`MAX_IMAGE_PIXELS` pixels raises
+    :class:`ImageTooLarge` before it is decoded.
     """
     note = converted or (lambda name: None)
     fill = background_colour(background)
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         if getattr(img, "n_frames", 1) > 1:
             note("animation")  # Image.open is positioned on the first frame
         img.load()

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 from torch import nn
 
-from dalle_lightning.data.transforms import center_square_resize, to_tensor
+from dalle_lightning.data.transforms import MAX_IMAGE_PIXELS, ImageTooLarge, center_square_resize, open_image, to_tensor
 
 
 def load_prime_image(path: str | Path, size: int) -> torch.Tensor:
@@ -22,8 +22,11 @@ def load_prime_image(path: str | Path, size: int) -> torch.Tensor:
     if not path.is_file():
         raise FileNotFoundError(f"prime_image {str(path)!r} does not exist; expected an image file (PNG, JPEG, ...)")
     try:
-        with Image.open(path) as img:
+        with open_image(path) as img:  # its header's size checked before any pixel is decoded
             rgb = img.convert("RGB")
+    except ImageTooLarge as exc:
+        raise ValueError(f"prime_image {str(path)!r}: {exc}, so it was not decoded; expected an image of at most "
+                         f"{MAX_IMAGE_PIXELS} pixels (it is cut to {size}x{size} pixels anyway)") from None
     except UnidentifiedImageError:
         raise ValueError(f"prime_image {str(path)!r} is not an image file; expected a PNG, JPEG or another format "
                          "Pillow reads") from None
