@@ -1,0 +1,230 @@
+"""LightningModules written the ways Lightning users write them, each training under ``ddp``: the patterns a user who
+moves a working ``ddp`` model to ``ShardedPowerSGDStrategy`` brings along (``tests/test_module_patterns.py``).
+
+Each is small (a few thousand parameters, widths that split unevenly over 2 ranks) and deterministic given
+``torch.manual_seed``; each names its children the way the pattern needs. Torch and Lightning only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH = 12
+
+
+def _mlp(width: int = WIDTH) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+
+class Base(L.LightningModule):
+    """An input layer, a body of two blocks, a head; SGD with momentum on ``self.parameters()``."""
+
+    lr = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, WIDTH)
+        self.body = nn.Sequential(_mlp(), _mlp())
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(torch.tanh(self.inp(x))))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class GroupsInInit(Base):
+    """Parameter groups built in ``__init__`` from the children's parameters, returned by ``configure_optimizers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = [{"params": list(self.inp.parameters()) + list(self.body.parameters())},
+                       {"params": list(self.head.parameters()), "lr": 0.01}]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.groups, lr=self.lr, momentum=0.9)
+
+
+class GroupsInConfigure(Base):
+    """Parameter groups built in ``configure_optimizers`` (the documented way), each child its own learning rate,
+    and a frozen-by-group weight decay on biases."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in self.named_parameters() if n.endswith("bias")]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=0.01)
+
+
+class TiedAttribute(Base):
+    """The module's own name for a child's parameter, used in ``forward``: ``self.head_w = self.inp.weight``
+    registers the same Parameter on the LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_w = self.inp.weight  # (WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(torch.tanh(self.inp(x)))
+        return self.head(h) + (h @ self.head_w).sum(-1, keepdim=True) * 0.1
+
+
+class TiedAcrossChildren(Base):
+    """Weights tied between two children (an embedding and its unembedding, as GPT-2): one Parameter, two owners."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.out.weight = self.body[0][0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.out(self.body(torch.tanh(self.inp(x)))))
+
+
+class SharedModule(Base):
+    """One child registered under two names (``self.again = self.body[1]``), run twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.again = self.body[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.again(self.body(torch.tanh(self.inp(x)))))
+
+
+class TapsList(Base):
+    """A plain list attribute holding a child (not registered twice), used in ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taps = [self.body[0]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(self.body(h) + 0.5 * self.taps[0](h))
+
+
+class FrozenChild(Base):
+    """A frozen child (a pretrained encoder a user does not train) before a trained body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp.requires_grad_(False)
+
+
+class BuffersOnlyChild(Base):
+    """A child holding buffers and no parameters (normalisation constants), used in ``forward``."""
+
+    class Normalize(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.tensor([0.1, -0.2, 0.3, 0.0]))
+            self.register_buffer("std", torch.tensor([1.5, 0.5, 2.0, 1.0]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x - self.mean) / self.std
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = self.Normalize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x))
+
+
+class OwnParameter(Base):
+    """A parameter of the LightningModule itself (a learned output scale), not in any child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([0.7, 1.3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale.sum()
+
+
+class ConfigureModel(Base):
+    """Children built in ``configure_model`` (Lightning's hook for sharded strategies), nothing in ``__init__``."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+
+    def configure_model(self) -> None:
+        if getattr(self, "body", None) is not None:
+            return
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, WIDTH)
+        self.body = nn.Sequential(_mlp(), _mlp())
+        self.head = nn.Linear(WIDTH, 1)
+
+
+class Accumulating(Base):
+    """Trained with ``accumulate_grad_batches=2`` (the Trainer's argument; the module is Base's)."""
+
+
+class Manual(Base):
+    """Manual optimization: two optimizers, one step each per batch, ``manual_backward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        body_opt, head_opt = self.optimizers()  # type: ignore[misc]
+        loss = F.mse_loss(self(batch[0]), batch[1])
+        body_opt.zero_grad()
+        head_opt.zero_grad()
+        self.manual_backward(loss)
+        body_opt.step()
+        head_opt.step()
+
+    def configure_optimizers(self) -> Any:
+        body = [*self.inp.parameters(), *self.body.parameters()]
+        return torch.optim.SGD(body, lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=0.02)
+
+
+class CompiledChild(Base):
+    """A child compiled with ``nn.Module.compile`` (counting backend: the compiled path is taken or not)."""
+
+    compiles: list[int] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body.compile(backend=_counting_backend)
+
+
+def _counting_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    CompiledChild.compiles.append(1)
+    return gm.forward
+
+
+PATTERNS: dict[str, type[Base]] = {
+    "groups_in_init": GroupsInInit,
+    "groups_in_configure": GroupsInConfigure,
+    "tied_attribute": TiedAttribute,
+    "tied_across_children": TiedAcrossChildren,
+    "shared_module": SharedModule,
+    "taps_list": TapsList,
+    "frozen_child": FrozenChild,
+    "buffers_only_child": BuffersOnlyChild,
+    "own_parameter": OwnParameter,
+    "configure_model": ConfigureModel,
+    "accumulating": Accumulating,
+    "manual": Manual,
+    "compiled_child": CompiledChild,
+}
+
+# Trainer arguments a pattern needs besides the defaults.
+TRAINER_ARGS: dict[str, dict[str, Any]] = {"accumulating": {"accumulate_grad_batches": 2}}
