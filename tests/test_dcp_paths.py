@@ -2,7 +2,7 @@
 chunk (``storage_data[...].relative_path``), and DCP's own reader opens ``directory / relative_path`` as it is. A
 checkpoint the strategy wrote, its ``.metadata`` rewritten to name a file outside (``../``, an absolute path, a link
 out, ``/dev/zero``), is refused in one line naming the ``.metadata`` and the entry, on every rank, before any file it
-names is opened; so is a ``.metadata`` too large to be one, before it is read.
+names is opened; so is a ``.metadata`` too large to be one, before it is read, and a chunk DCP would decompress.
 
 Each crafted directory is first shown to be potent: DCP's stock reader loads the stranger's weights from outside.
 """
@@ -127,6 +127,24 @@ def test_a_metadata_too_large_is_refused_before_it_is_read(written: tuple[Path, 
     assert refused_line(lambda: load_sharded(crafted, _state())).startswith(
         f"refusing checkpoint '{crafted}': its index file '.metadata' resolves to '{checkpoint / '.metadata'}', "
         "outside the checkpoint directory")
+
+
+def test_a_chunk_dcp_would_decompress_is_refused(written: tuple[Path, Path], tmp_path: Path) -> None:
+    """DCP expands a chunk whose ``transform_descriptors`` name zstd whole before any size check (a bomb); the
+    plugins' writer never adds one."""
+    checkpoint, _ = written
+    crafted = tmp_path / "run" / "zstd.ckpt"
+    shutil.copytree(checkpoint, crafted)
+    with open(crafted / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    assert all(not info.transform_descriptors for info in metadata.storage_data.values())  # as written
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = ["stream.zstd/1"]
+    (crafted / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert refused_line(lambda: load_sharded(crafted, _state())) == (
+        f"refusing checkpoint '{crafted / '.metadata'}': its storage_data['state_dict.w'].transform_descriptors="
+        "['stream.zstd/1'] ask DCP to decompress or transform a chunk, which this code's writer never does; expected "
+        "none; none of its files was opened")
 
 
 def test_the_checkpoint_as_written_still_loads(written: tuple[Path, Path]) -> None:

@@ -47,6 +47,8 @@ __all__ = [
     "materialize_meta_tensors",
     "op_argument",
     "process_group_backend",
+    "recomputation_stop_errors",
+    "strategy_timeout",
     "optimizers_to_device",
     "reduce_scatter_unused_params",
     "register_root_pre_backward",
@@ -236,6 +238,22 @@ def attached_trainer(module: Any) -> Any:
     """The Trainer a LightningModule is attached to, or None: ``LightningModule.trainer`` raises when there is none,
     and a precision plugin also runs on modules outside a fit (its own tests, a user's loop)."""
     return getattr(module, "_trainer", None)
+
+
+def strategy_timeout(strategy: Any) -> Any:
+    """The collective timeout a Lightning strategy gives its process groups (``DDPStrategy(timeout=...)``, the
+    plugins' strategies), or None for one that has none: the elastic restart path makes the default group with it
+    before the strategy would (``_timeout`` has no public name)."""
+    return getattr(strategy, "_timeout", None)
+
+
+def recomputation_stop_errors() -> tuple[type[BaseException], ...]:
+    """What non-reentrant activation checkpointing raises to stop a recomputed forward early, as control flow
+    (``torch.utils.checkpoint._StopRecomputationError``); empty where a release has none."""
+    import torch.utils.checkpoint
+
+    found = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
 
 
 def tree_map(fn: Any, tree: Any) -> Any:

@@ -9,7 +9,9 @@ DCP's own ``FileSystemReader`` unpickles the directory's ``.metadata`` with plai
 * every file ``.metadata`` names (its ``storage_data``'s ``relative_path``, which ``FileSystemReader`` opens as
   ``directory / relative_path``) must resolve to a regular file inside the directory: an absolute path, ``..``, a
   link out of it or a device (``/dev/zero``) is refused before any file is opened (:func:`check_storage_paths`),
-  and ``.metadata`` itself must be a regular file inside it of at most :data:`MAX_METADATA_BYTES`;
+  and ``.metadata`` itself must be a regular file inside it of at most :data:`MAX_METADATA_BYTES`; a chunk with
+  ``transform_descriptors`` (DCP's experimental stream extensions, zstd: a compressed chunk DCP would expand whole)
+  is refused too, as the plugins' writer never adds one;
 * :class:`DataReader` is a ``FileSystemReader`` given ``.metadata`` so read;
 * :class:`DataLoadPlanner` reads non-tensor values with the ``weights_only`` the caller was given (``None``:
   torch's default, True since 2.6), as Lightning's ``ddp`` reads a whole file.
@@ -109,11 +111,16 @@ def check_storage_paths(metadata: Metadata, directory: str | os.PathLike, file: 
                                 f"{type(storage).__name__}; expected DCP's map of chunks to files (nothing was opened)")
     checked: set[str] = set()
     for index, info in storage.items():
+        entry = f"storage_data[{str(getattr(index, 'fqn', index))[:80]!r}]"
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms:  # e.g. "stream.zstd": DCP would decompress the chunk whole, however large it grows
+            raise CheckpointRefused(f"refusing checkpoint {os.fspath(file)!r}: its {entry}.transform_descriptors="
+                                    f"{str(transforms)[:80]} ask DCP to decompress or transform a chunk, which this "
+                                    "code's writer never does; expected none; none of its files was opened")
         name = getattr(info, "relative_path", None)
         if isinstance(name, str) and name in checked:
             continue
-        fqn = getattr(index, "fqn", index)
-        problem = outside(directory, name, f"storage_data[{str(fqn)[:80]!r}].relative_path")
+        problem = outside(directory, name, f"{entry}.relative_path")
         if problem is not None:
             raise CheckpointRefused(f"refusing checkpoint {os.fspath(file)!r}: {problem}; none of its files was "
                                     "opened")

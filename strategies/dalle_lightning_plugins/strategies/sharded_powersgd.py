@@ -60,6 +60,7 @@ from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, chec
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.compression.exchange import ExchangeError, OverlappedExchange
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
+from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
 from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards, shard_averages
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
@@ -197,6 +198,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
         self._backward_start = 0.0
         self._overlapped = False  # the last synchronised backward took the overlapped path
+        self._averages_sharded = False  # this fit shards a WeightAveraging callback's copy
+        self.buffer_broadcasts = BufferBroadcasts(self._buffer_scope, self.until_teardown)  # rank 0's, as ddp's
 
     @property
     def powersgd(self) -> PowerSGD | None:
@@ -281,7 +284,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
             if self.model is not module:
                 self._root = self.model  # type: ignore[assignment]
         # Lightning's WeightAveraging: its copy sharded as the module
-        self._averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module)
+        self._averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module,
+                                                                                                  self.until_teardown)
         if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
             self.inter_node.attach(module, self.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
         self.barrier()
@@ -425,8 +429,10 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # ddp's wrapper runs it only while fitting
+            self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step)
         output = super().validation_step(*args, **kwargs)
-        if getattr(self, "_averages_sharded", False) and self._root is not None:
+        if self._averages_sharded and self._root is not None:
             # WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root
             # unit, which a forward without backward leaves gathered, goes back to its shards after each step
             fsdp_wiring.reshard_all(self._root)
@@ -434,18 +440,13 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # As ddp (``broadcast_buffers=True``): every rank starts a synchronised forward from rank 0's buffers, so
-        # batch-norm running statistics stay one model's rather than drifting apart per rank.
-        group, size = self._buffer_scope()
-        if self._synchronised_step and torch.is_grad_enabled() and size > 1:
-            assert self.lightning_module is not None
-            fsdp_wiring.broadcast_buffers(self.lightning_module, group)
+        self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step)  # as ddp's wrapper
         if self._root is not None:
             self._root.units_ran.clear()  # forwards outside training (validation) do not count
         return super().training_step(*args, **kwargs)
 
     def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
-        """The ranks that share rank 0's buffers before each synchronised forward, and how many: every rank."""
+        """The ranks that share rank 0's buffers (as ddp's, and after a resume), and how many: every rank."""
         return None, self.world_size
 
     def replica_divergence(self) -> float:
