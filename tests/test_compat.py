@@ -302,14 +302,127 @@ def test_process_group_backend_as_the_strategy_says() -> None:
 
 
 def test_no_private_name_outside_compat() -> None:
-    """Every private torch or Lightning name the plugins reach is reached here, in compat.py, and nowhere else."""
+    """Every private torch or Lightning name the plugins reach is reached here, in compat.py, and nowhere else:
+    as an import or an attribute, or by its name in a string (``getattr(module, "_trainer")``, ``vars(x)["_y"]``)."""
     from tests.test_lightning_internals import private_attributes, private_imports
 
     plugins = ROOT / "strategies" / "dalle_lightning_plugins"
     others = sorted(p for p in plugins.rglob("*.py") if p.name != "compat.py")
     assert len(others) > 30
-    found = {str(p.relative_to(plugins)): private_imports([p]) + private_attributes([p]) for p in others}
+    found = {str(p.relative_to(plugins)): private_imports([p]) + private_attributes([p]) + private_strings(p)
+             for p in others}
     assert {k: v for k, v in found.items() if v} == {}
+
+
+# Calls that reach an attribute named by their second argument, and mapping methods that look a key up.
+_BY_NAME = {"getattr", "setattr", "hasattr", "delattr", "__getattribute__", "__getattr__", "__setattr__", "__delattr__"}
+_LOOKUPS = {"get", "pop", "setdefault", "__getitem__", "__contains__"}
+
+
+def private_strings(path: Path) -> list[tuple[str, str]]:
+    """``(how, name)`` of every private name reached by a string in ``path``: the name given to ``getattr``,
+    ``setattr``, ``hasattr``, ``delattr`` (or ``object.__setattr__`` ...) and a key looked up in an object's
+    ``__dict__`` or ``vars(...)``, written out or as a module-level constant."""
+    import ast
+
+    from tests.test_lightning_internals import _private
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for t in node.targets if isinstance(t, ast.Name)}
+
+    def name_of(arg: ast.expr | None) -> str | None:
+        value = arg.value if isinstance(arg, ast.Constant) else constants.get(arg.id) if isinstance(arg, ast.Name) \
+            else None
+        return value if isinstance(value, str) and _private(value) else None
+
+    def is_namespace(node: ast.expr) -> bool:  # x.__dict__ or vars(x)
+        return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars")
+
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if called in _BY_NAME and len(node.args) >= 2 and (name := name_of(node.args[1])):
+                found.add((called, name))
+            elif isinstance(func, ast.Attribute) and called in _LOOKUPS and is_namespace(func.value) and node.args \
+                    and (name := name_of(node.args[0])):
+                found.add((f"__dict__.{called}", name))
+        elif isinstance(node, ast.Subscript) and is_namespace(node.value) and (name := name_of(node.slice)):
+            found.add(("__dict__[]", name))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
+                and any(is_namespace(c) for c in node.comparators) and (name := name_of(node.left)):
+            found.add(("in __dict__", name))
+    return sorted(found)
+
+
+def test_private_strings_are_found() -> None:
+    """The string forms the guard reads, each found in a file written for it, and public names left alone."""
+    import tempfile
+
+    source = '''
+HIDDEN = "_carried"
+a = getattr(module, "_trainer", None)
+setattr(module, "_x", 1)
+hasattr(strategy, HIDDEN)
+delattr(module, "_y")
+object.__setattr__(module, "_z", 2)
+module.__dict__.get("_w")
+vars(module)["_v"]
+"_u" in module.__dict__
+module.__dict__.pop(HIDDEN, None)
+getattr(module, "trainer")
+getattr(module, "__class__")
+module.__dict__.get("forward")
+'''
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sample.py"
+        path.write_text(source)
+        assert private_strings(path) == sorted([
+            ("getattr", "_trainer"), ("setattr", "_x"), ("hasattr", "_carried"), ("delattr", "_y"),
+            ("__setattr__", "_z"), ("__dict__.get", "_w"), ("__dict__[]", "_v"), ("in __dict__", "_u"),
+            ("__dict__.pop", "_carried")])
+
+
+def test_a_strategys_timeout() -> None:
+    """``DDPStrategy(timeout=...)`` and the plugins' ``timeout=``, as given; None for a strategy without one."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from dalle_lightning_plugins import ShardedPowerSGDStrategy
+
+    assert compat.strategy_timeout(DDPStrategy(timeout=timedelta(seconds=7))) == timedelta(seconds=7)
+    assert compat.strategy_timeout(ShardedPowerSGDStrategy(devices_per_node=1, timeout=9)) == timedelta(seconds=9)
+    assert compat.strategy_timeout(SingleDeviceStrategy("cpu")) is None
+
+
+def test_recomputation_stop_is_what_non_reentrant_checkpointing_raises_early() -> None:
+    """A non-reentrant checkpoint with early stopping stops its recomputation by raising the class compat names:
+    a saved-tensor hook that records what passes through it sees the recomputed forward cut short."""
+    import torch.utils.checkpoint as checkpoint
+
+    [error] = compat.recomputation_stop_errors()
+    assert error.__name__ == "_StopRecomputationError" and issubclass(error, Exception)
+    raised: list[type] = []
+    original = error.__init__
+
+    def spy(self: BaseException, *args: object) -> None:
+        raised.append(type(self))
+        original(self, *args)
+
+    error.__init__ = spy  # type: ignore[method-assign]
+    try:
+        x = torch.ones(3, requires_grad=True)
+        with checkpoint.set_checkpoint_early_stop(True):
+            y = checkpoint.checkpoint(lambda t: (t.sin() * 2).cos().exp(), x, use_reentrant=False)
+        y.sum().backward()
+    finally:
+        error.__init__ = original  # type: ignore[method-assign]
+    assert raised == [error]
 
 
 def _process_group_names(rank: int, world_size: int) -> dict[str, object]:

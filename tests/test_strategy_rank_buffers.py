@@ -1,6 +1,6 @@
-"""Sharded checkpoints keep every rank's own buffers: batch-norm running statistics follow each rank's own batches,
-so the ranks' copies drift apart, and a resumed run must give each rank its own back (DCP alone keeps one copy of
-a key that every rank saves).
+"""A resumed run starts every rank from rank 0's buffers, as every ``ddp`` rank loads rank 0's file: batch-norm
+running statistics follow each rank's own batches, so the ranks' copies differ when the checkpoint is written, and
+DCP alone keeps one copy of a key that every rank saves, not necessarily rank 0's.
 
 2 simulated nodes x 2 devices; a tiny residual model with a batch norm; each rank reads its own samples.
 """
@@ -35,29 +35,32 @@ class NormedResNet(TinyResNet):
         return self.head(self.norm(x.transpose(1, 2)).transpose(1, 2))
 
 
-def _fit(rank: int, seed: int, ckpt_path: str | None = None):
+def _fit(rank: int, seed: int, checkpoint: str, ckpt_path: str | None = None):
     torch.manual_seed(seed)
     module = TinyModule(NormedResNet(), functools.partial(torch.optim.SGD, lr=0.1))
-    fit_trainer = trainer(ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=1), max_epochs=1)
+    fmt = "sharded" if checkpoint == "dcp" else "full"
+    fit_trainer = trainer(ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=1, checkpoint_format=fmt),
+                          max_epochs=1)
     fit_trainer.fit(module, loader(DATA, rank), ckpt_path=ckpt_path)
     return fit_trainer, module
 
 
-def _worker(rank: int, world_size: int, ckpt: str) -> dict[str, torch.Tensor]:
+def _worker(rank: int, world_size: int, ckpt: str, checkpoint: str) -> dict[str, torch.Tensor]:
     external_launch_env(rank)
-    first, module = _fit(rank, seed=0)
+    first, module = _fit(rank, 0, checkpoint)
     first.save_checkpoint(ckpt)
     saved = {n: b.clone() for n, b in module.named_buffers()}
-    _, resumed = _fit(rank, seed=1, ckpt_path=ckpt)  # nothing left to train: only the load runs
+    _, resumed = _fit(rank, 1, checkpoint, ckpt_path=ckpt)  # nothing left to train: only the load runs
     return {"saved": saved, "resumed": {n: b.clone() for n, b in resumed.named_buffers()}}
 
 
 @pytest.mark.slow  # spawns gloo processes
 @pytest.mark.distributed
-def test_every_rank_gets_its_own_buffers_back(tmp_path: Path) -> None:
-    results = run_distributed(_worker, 4, str(tmp_path / "ckpt"), timeout=240)
+@pytest.mark.parametrize("checkpoint", ["ckpt", "dcp"])
+def test_every_rank_resumes_from_rank_0s_buffers(tmp_path: Path, checkpoint: str) -> None:
+    results = run_distributed(_worker, 4, str(tmp_path / "ckpt"), checkpoint, timeout=240)
     mean = "model.norm.running_mean"
     assert not torch.equal(results[0]["saved"][mean], results[1]["saved"][mean]), "ranks saw the same batches"
     for rank, r in enumerate(results):
-        for name, want in r["saved"].items():
+        for name, want in results[0]["saved"].items():
             assert torch.equal(r["resumed"][name], want), f"rank {rank}: {name}"

@@ -499,6 +499,23 @@ def case_batchnorm_buffers(layout: str, rank: int, workdir: Path) -> dict[str, t
     return full_weights(module)
 
 
+def case_batchnorm_validation(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """ddp broadcasts rank 0's buffers before the forward after a synchronised grad-enabled one: the first
+    validation forward of each epoch (the sanity check's first, with a fresh wrapper), so a fit that ends with a
+    validation leaves every rank rank 0's running statistics."""
+    module = Plain(net=Normed)
+    fit(layout, module, rank, val=True, max_steps=-1, max_epochs=2, limit_train_batches=3, limit_val_batches=2,
+        num_sanity_val_steps=1)
+    return full_weights(module)
+
+
+def case_batchnorm_accumulation(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """With accumulation ddp broadcasts before the first micro-batch of each window, not the synchronised last."""
+    module = Plain(net=Normed)
+    fit(layout, module, rank, max_steps=3, accumulate_grad_batches=2)
+    return full_weights(module)
+
+
 class GradientsSeen(Plain):
     """Records a gradient as ``on_after_backward`` and ``on_before_optimizer_step`` see it (first step)."""
 

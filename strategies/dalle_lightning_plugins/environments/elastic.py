@@ -23,7 +23,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -88,10 +89,10 @@ def init_default_group(strategy: Any) -> bool:
         return False
     if not env.creates_processes_externally:
         return False
-    timeout = getattr(strategy, "_timeout", None) or timedelta(minutes=30)
+    timeout = compat.strategy_timeout(strategy) or timedelta(minutes=30)
     backend = compat.process_group_backend(strategy)
     rank, world_size = env.global_rank(), env.world_size()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+    address = {"MASTER_ADDR": env.main_address, "MASTER_PORT": str(env.main_port)}  # (Lightning's may set them)
     kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         kwargs["store"] = round_store(env.main_address, env.main_port, rank, world_size, timeout)
@@ -102,8 +103,25 @@ def init_default_group(strategy: Any) -> bool:
     logging.getLogger("lightning.fabric.utilities.distributed").info(
         f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}"
         + (" (on a store of this round)" if "store" in kwargs else ""))
-    dist.init_process_group(**kwargs)
+    with environment(address):  # torch's env:// reads them; the group keeps its store, the process its variables
+        dist.init_process_group(**kwargs)
     return True
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` holds ``values`` for the duration, then what it held before (a variable that was unset is
+    removed again)."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def all_gather_objects(value: Any) -> list[Any]:

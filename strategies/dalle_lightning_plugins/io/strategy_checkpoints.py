@@ -19,10 +19,9 @@ never a pickled blob, so a full file loads with ``torch.load(weights_only=True)`
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from dalle_lightning_plugins.io.dcp_checkpoint import (
 from dalle_lightning_plugins.io.dcp_reader import read_dcp_metadata
 from dalle_lightning_plugins.io.rank_state import from_legacy, join, split, template
 from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal
+from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
 from dalle_lightning_plugins.strategies.fsdp_wiring import from_plain, is_plain, to_plain
 from dalle_lightning_plugins.io.full_checkpoint import (
     gather_plain_to_rank0,
@@ -66,8 +66,9 @@ POWERSGD_KEY = "powersgd"
 OVERLAP_CHOICE_KEY = "overlap_choice"  # overlap="auto"'s schedule and decision, inside each rank's state
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
 # Buffers stay whole on every rank and differ by the last step (each rank's forward updates rank 0's broadcast
-# running statistics with its own batch, as under ddp); DCP keeps one copy of a key that every rank saves, so each
-# rank's own go under a key of its own (a full checkpoint: a list by rank). Metadata: their names.
+# running statistics with its own batch, as under ddp); DCP keeps one copy of a key that every rank saves (any
+# rank's), so each rank's own go under a key of its own (a full checkpoint: a list by rank). Metadata: their names.
+# A resume gives every rank rank 0's (the ranks sharing buffers: their first rank's), as every ddp rank loads its file.
 RANK_BUFFERS_KEY = "rank_buffers"
 
 
@@ -77,7 +78,11 @@ class ShardedCheckpointing:
     checkpoint_format: str
     powersgd: Any
     inter_node: Any  # the strategy's InterNodeReduction (its overlap=auto choice is per-rank state too)
+    buffer_broadcasts: BufferBroadcasts  # rank 0's buffers to the ranks that share them, after a load
     _checkpoint_io: CheckpointIO | None
+    _root: Any  # the strategy's sharded root, None before a sharded stage
+    _named_collective: Callable[[str], AbstractContextManager[None]]  # OneLineCollectiveFailures: a lost peer in one line
+    _whole_after_save = False  # see _sharded_for_checkpoint
 
     @property
     @override
@@ -103,7 +108,7 @@ class ShardedCheckpointing:
         """A checkpoint of a module left whole after a stage (``full_weights_after``, e.g. ``trainer.save_checkpoint``
         after ``fit``) is made from its shards, which take the whole values again (no collective); the save that
         follows makes the module whole again, so the optimizer's (sharded) parameters are the module's meanwhile."""
-        root = getattr(self, "_root", None)
+        root = self._root
         if root is not None and is_plain(root):
             from_plain(root)
             self._whole_after_save = True
@@ -152,10 +157,9 @@ class ShardedCheckpointing:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
         assert self.powersgd is not None
         path = self.broadcast(filepath)
-        named = getattr(self, "_named_collective", None)  # OneLineCollectiveFailures: a lost peer in one line
-        with named("a checkpoint's write") if named is not None else contextlib.nullcontext():
+        with self._named_collective("a checkpoint's write"):
             self._save(checkpoint, path)
-            if getattr(self, "_whole_after_save", False):  # see _sharded_for_checkpoint
+            if self._whole_after_save:  # see _sharded_for_checkpoint
                 self._whole_after_save = False
                 to_plain(self._root)  # type: ignore[attr-defined]
 
@@ -211,9 +215,9 @@ class ShardedCheckpointing:
         more than data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`)."""
         assert self.lightning_module is not None and self.powersgd is not None
         path = self.broadcast(checkpoint_path)
-        if is_sharded_checkpoint(path):
-            return self._load_sharded(path, weights_only)
-        return self._load_full(path, weights_only)
+        loaded = self._load_sharded(path, weights_only) if is_sharded_checkpoint(path) else self._load_full(path, weights_only)
+        self.buffer_broadcasts.share(self.lightning_module)  # rank 0's buffers everywhere, as ddp ranks load its file
+        return loaded
 
     def _load_full(self, path: PathLike, weights_only: bool | None) -> dict[str, Any]:
         assert self.lightning_module is not None and self.powersgd is not None

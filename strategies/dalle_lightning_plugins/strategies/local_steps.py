@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -290,7 +291,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         out = []
         for optimizer in self.optimizers:
-            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+            optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             out += [(names[id(p)], values) for p, values in optimizer.state.items() if id(p) in names]
         return out
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
@@ -61,11 +63,15 @@ def _replace_parameters(module: nn.Module, make: Any) -> dict[str, torch.device]
 
 
 @torch.no_grad()
-def shard_averages(trainer: pl.Trainer, module: nn.Module) -> bool:
+def shard_averages(trainer: pl.Trainer, module: nn.Module,
+                   until_teardown: Callable[[Callable[[], None]], None] | None = None) -> bool:
     """Every averaged copy of a Lightning ``WeightAveraging`` callback sharded as ``module``'s parameters are;
-    whether there is any (the strategy then keeps the module's registered parameters sharded between steps)."""
+    whether there is any (the strategy then keeps the module's registered parameters sharded between steps).
+    ``until_teardown`` takes :func:`end_averages` for the stage's end, whichever way it ends."""
     live = dict(module.named_parameters(remove_duplicate=False))
     copies = _averaged_copies(trainer)
+    if copies and until_teardown is not None:
+        until_teardown(functools.partial(end_averages, trainer))
     for averaged in copies:
         if averaged in _SHARDED:
             continue
@@ -93,6 +99,18 @@ def whole_averages(trainer: pl.Trainer) -> None:
             handle.remove()
         _replace_parameters(averaged, lambda name, p: p.full_tensor().to(devices.get(name, p.device))
                             if isinstance(p, DTensor) else None)
+
+
+def end_averages(trainer: pl.Trainer) -> None:
+    """The end of a stage that sharded the averaged copies, on every path: after a stage that ran to its end
+    (``full_weights_after=False`` too) the copies are whole, as under ``ddp`` and as the callback made them
+    (collective); after an error (a peer may be gone: no collective) they keep their shards. Either way their hooks
+    come off and no entry of the stage is left here."""
+    if trainer.state.status == TrainerStatus.RUNNING:
+        whole_averages(trainer)
+    for averaged in [a for a in _averaged_copies(trainer) if a in _SHARDED]:
+        for handle in _SHARDED.pop(averaged)[0]:
+            handle.remove()
 
 
 def _whole_state(devices: dict[str, torch.device], module: nn.Module, state_dict: dict[str, Any], prefix: str,
