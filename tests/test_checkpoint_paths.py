@@ -145,3 +145,18 @@ def test_resume_auto_refuses_the_newest_checkpoint_when_it_names_a_file_outside(
     assert exit_info.value.code == 2 and len(errors) == 1, errors
     assert errors[0].startswith(f"error: resume: checkpoint '{earlier / 'last.ckpt'}'") and ".last_model_path" in errors[0]
     assert victim.read_text() == "not a checkpoint" and not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize(("path", "kept"), [("s3://b/ckpts/last.ckpt", True), ("s3://b/ckpts-other/x", False),
+                                            ("s3://b/ckpts/../x", False), ("/etc/passwd", False)])
+def test_a_remote_checkpoint_directory_is_compared_as_text(path: str, kept: bool) -> None:
+    from dalle_lightning.run.checkpoint_paths import OutsidePath, check_callback_paths
+    from dalle_lightning_callbacks.paced_checkpoint import within_dirpath
+
+    saved = {"callbacks": {"ModelCheckpoint{}": {"dirpath": "s3://b/ckpts", "last_model_path": path}}}
+    if kept:
+        check_callback_paths(saved, "/copies/last.ckpt", "resume")
+    else:
+        with pytest.raises(OutsidePath, match="last_model_path is .*nothing was deleted"):
+            check_callback_paths(saved, "/copies/last.ckpt", "resume")
+    assert within_dirpath(path, "s3://b/ckpts") == kept

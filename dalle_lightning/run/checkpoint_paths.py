@@ -71,7 +71,8 @@ def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike
             if not isinstance(value, str):
                 raise OutsidePath(f"{shown}: {entry} is a {type(value).__name__}; expected a path ({expected})")
             if "://" in value or (isinstance(dirpath, str) and "://" in dirpath):  # remote: compared as text
-                if ".." in value.split("/") or not value.startswith(str(dirpath).rstrip("/")):
+                root = str(dirpath).rstrip("/")
+                if ".." in value.split("/") or not (value == root or value.startswith(root + "/")):
                     raise OutsidePath(f"{shown}: {entry} is {value!r}, outside its checkpoint directory "
                                       f"{dirpath!r}, so the checkpoint was not used and nothing was deleted; {expected}")
                 continue

@@ -196,7 +196,9 @@ def check_data(path: str | Path, key: str) -> None:
     as every checkpoint ``dalle-train`` writes is: it loads under ``torch.load(weights_only=True)``, as the fit that
     resumes from it loads it (``Trainer.fit(weights_only=True)``, where a refusal would be a long traceback), and
     its hyper-parameters name nothing to build (``_target_``, Lightning's ``_instantiator``: the project's modules
-    save neither). Sharded checkpoint directories are read by the strategy's own loader, which refuses the same way."""
+    save neither). A sharded checkpoint directory's tensors are read by the strategy's own loader, which refuses the
+    same way; its ``meta.pt`` (callback states, hyper-parameters) is read here, as data. Either way the non-tensor
+    values are checked (:func:`check_plain_state`)."""
     path = Path(path)
     if path.is_dir():
         from dalle_lightning_plugins.io.dcp_checkpoint import read_metadata
