@@ -100,6 +100,7 @@ def test_a_stored_expression_is_refused_in_one_line(app: str, key: str, meta_key
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2 and len(errors) == 1, err
     assert repr(str(crafted)) in errors[0] and f"meta.{meta_key}" in errors[0] and "'${'" in errors[0], errors[0]
+    assert "raised while resolving" not in errors[0]  # the file's own line, not OmegaConf's wrapping
     assert "Traceback" not in err and SECRET_VALUE not in out + err
     assert not marker.exists()
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "tokens").exists()
