@@ -95,7 +95,9 @@ def conforms(value: Any, annotation: Any) -> bool:
         return type(value) in (int, float)
     if origin in (Sequence, list, tuple) or annotation in (list, tuple):
         args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
-        return isinstance(value, list) and all(conforms(v, args[0]) for v in value) if args else isinstance(value, list)
+        if not isinstance(value, (list, tuple)):  # JSON's lists (a caller's tuple is written as one)
+            return False
+        return all(conforms(v, args[0]) for v in value) if args else True
     if annotation is torch.device or (isinstance(annotation, type) and issubclass(annotation, PurePath)):
         return isinstance(value, str)
     return False
