@@ -19,6 +19,20 @@ from typing import Any
 import yaml
 
 INTERPOLATION = "${"
+# Hydra's YAML in a run directory is a few kilobytes (a whole composed config in multirun.yaml); a file beyond this
+# is none of them, and is refused before it is read.
+MAX_YAML_BYTES = 16 * 2**20
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without anchors and aliases: Hydra never writes them (OmegaConf dumps fresh containers),
+    and a few hundred bytes of nested aliases expand into millions of values (a self-referencing one recurses)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.composer.ComposerError(None, None, "an anchor or alias (&name, *name)", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 class StoredInterpolation(ValueError):
@@ -28,10 +42,17 @@ class StoredInterpolation(ValueError):
 def read_yaml(path: str | os.PathLike) -> Any:
     """The YAML document at ``path`` as plain Python values (``yaml.safe_load``; None for an empty file).
 
-    A file that is not YAML, or asks for a Python object (``!!python/...``), is a one-line ``ValueError`` naming it."""
+    A file that is not YAML, asks for a Python object (``!!python/...``), holds an anchor or alias, is not a regular
+    file or is over :data:`MAX_YAML_BYTES` is a one-line ``ValueError`` naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{os.fspath(path)!r} is not a regular file; expected the YAML file Hydra wrote there")
+    size = os.path.getsize(path)
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"{os.fspath(path)!r} holds {size} bytes, so it was not read; expected the YAML file Hydra "
+                         f"wrote there (at most {MAX_YAML_BYTES // 2**20} MiB)")
     try:
         with open(path, encoding="utf-8") as stream:
-            return yaml.safe_load(stream)
+            return yaml.load(stream, Loader=_PlainLoader)  # noqa: S506 - a SafeLoader, without aliases
     except yaml.YAMLError as exc:
         problem = str(getattr(exc, "problem", None) or type(exc).__name__)
         raise ValueError(f"{os.fspath(path)!r} is not plain YAML ({problem}); expected the YAML file Hydra wrote "

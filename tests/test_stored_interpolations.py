@@ -5,6 +5,7 @@ its variable's value appears in no output file and in nothing printed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,23 @@ def test_a_run_directory_named_with_dollar_brace_is_checked_as_text(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert "a directory, not a file" in err and str(taken) in err and SECRET not in err
+
+
+def test_aliases_a_fifo_and_an_oversized_file_are_refused_before_they_cost_anything(tmp_path: Path) -> None:
+    from dalle_lightning.plain_yaml import MAX_YAML_BYTES
+
+    bomb = tmp_path / "overrides.yaml"
+    rows = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    rows += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(8)]
+    bomb.write_text("\n".join(rows) + "\n")  # 10**9 values once walked
+    with pytest.raises(ValueError, match=r"overrides.yaml' is not plain YAML \(an anchor or alias"):
+        read_yaml(bomb)
+    big = tmp_path / "multirun.yaml"
+    with open(big, "wb") as stream:
+        stream.truncate(MAX_YAML_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ValueError, match=r"multirun.yaml' holds \d+ bytes, so it was not read"):
+        read_yaml(big)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"fifo.yaml' is not a regular file"):
+        read_yaml(fifo)
