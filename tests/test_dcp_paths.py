@@ -154,6 +154,25 @@ def test_the_checkpoint_as_written_still_loads(written: tuple[Path, Path]) -> No
     assert torch.equal(state["state_dict"]["w"], torch.full((4,), 1.0))
 
 
+def test_dalle_train_refuses_it_at_resume_in_one_line(written: tuple[Path, Path], tiny_world: Path,
+                                                      tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``dalle-train resume=<the directory>``: exit code 2 and one line, before any process trains."""
+    from dalle_lightning.cli import train
+    from tests.conftest import run_app
+
+    checkpoint, stranger = written
+    crafted = redirect(checkpoint, tmp_path / "run" / "checkpoints" / "last.ckpt", str(stranger))
+    with pytest.raises(SystemExit) as exit_info:
+        run_app(train.main, f"paths.work_dir={tiny_world}", f"hydra.run.dir={tmp_path / 'new'}", "stage=dvae",
+                f"output={tmp_path / 'dvae.pt'}", f"resume={crafted}")
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: refusing checkpoint '{crafted / '.metadata'}': its storage_data["
+                                f"'state_dict.w'].relative_path '{stranger}' lies outside"), errors[0]
+    assert not (tmp_path / "dvae.pt").exists()
+
+
 # ------------------------------------------------------------------------------ the strategy, on 2 ranks
 def _worker(rank: int, world_size: int, work_dir: str) -> dict[str, Any]:
     from tests.test_checkpoints_are_data import SaveAfterFirstEpoch, _fit, _refusal, _sharded

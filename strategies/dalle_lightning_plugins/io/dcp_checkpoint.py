@@ -122,10 +122,13 @@ def read_metadata(path: str | Path, weights_only: bool | None = None) -> dict[st
     """The small metadata of a sharded checkpoint (no tensors loaded): what the loader must prepare for.
 
     ``weights_only`` as ``torch.load`` takes it (None: torch's default, True since 2.6), as Lightning's own
-    sharded strategies read this file; a file that asks for more is refused in one line."""
+    sharded strategies read this file; a file that asks for more is refused in one line. DCP's index (``.metadata``)
+    is read first, as the loader will read it (the files it names inside the directory, nothing but DCP's metadata
+    in it), so that a check before the load (``dalle-train resume=``) refuses what the load would refuse."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"checkpoint {str(path)!r} is not a sharded checkpoint directory (no .metadata)")
+    read_dcp_metadata(path, trust=weights_only is False)
     problem = outside(path, METADATA_FILENAME, "metadata file")  # a link out of the directory, a device
     if problem is not None:
         raise CheckpointRefused(f"refusing checkpoint {str(path)!r}: {problem}")
