@@ -256,6 +256,18 @@ def recomputation_stop_errors() -> tuple[type[BaseException], ...]:
     return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
 
 
+def compiled_call(module: Any) -> Any:
+    """The compiled call ``Module.compile()`` set on ``module`` (``nn.Module._compiled_call_impl``), or None: a deep
+    copy drops it, so a stand-in of a compiled child would run eagerly without a word."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_module_device(module: Any, device: Any) -> None:
+    """What ``LightningModule.device`` returns (``DeviceDtypeModuleMixin._device``, set by its ``to``): the stage's
+    root device while the module's children are sharded stand-ins that ``to`` cannot move whole."""
+    module._device = device
+
+
 def tree_map(fn: Any, tree: Any) -> Any:
     """torch's pytree map (``torch.utils._pytree``: a block's outputs may be any nesting of tensors, and torch's own
     tree utilities know its containers, named tuples included)."""

@@ -8,9 +8,8 @@ so the strategy's own module reads as Lightning's hook order.
 
 from __future__ import annotations
 
-import copy
 import functools
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import override
 
 from dalle_lightning_plugins import compat
+from dalle_lightning_plugins.strategies import stand_ins
 from dalle_lightning_plugins.strategies.prefetch import apply_prefetch
+from dalle_lightning_plugins.strategies.stand_ins import make_stand_ins as swap_in_stand_ins  # noqa: F401 (old name)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,9 +36,11 @@ class ShardedRoot(nn.Module):
     parameters, the end-of-backward callback) live on ``forward``. Lightning's forward redirection routes
     ``training_step`` through this module's ``forward``. The LightningModule is held, not registered: FSDP2 never
     reaches the user's module itself. Its children are registered here under their own names (so this module's
-    parameter names are the LightningModule's): for a sharded stage deep copies of them (:func:`swap_in_stand_ins`),
-    which the LightningModule holds for the stage while ``originals`` keeps the user's own children for
-    :func:`to_plain`; at one device per node the children themselves (``originals`` None: nothing is copied).
+    parameter names are the LightningModule's): for a sharded stage meta-device stand-ins of them
+    (:mod:`~dalle_lightning_plugins.strategies.stand_ins`), which the LightningModule holds for the stage while
+    ``originals`` keeps the user's own children for :func:`to_plain` (``released``: their tensors whose storage the
+    shards hold; ``guards``: the hooks refusing their forward for the stage); at one device per node the children
+    themselves (``originals`` None: nothing is copied).
     """
 
     def __init__(self, module: nn.Module, parts: dict[str, nn.Module],
@@ -48,6 +51,8 @@ class ShardedRoot(nn.Module):
         object.__setattr__(self, "owner", module)  # not a submodule: FSDP2 and state dicts never reach it
         object.__setattr__(self, "originals", originals)
         object.__setattr__(self, "owner_hooks", [])  # handles of hooks on the LightningModule, for this stage only
+        object.__setattr__(self, "released", {})  # parameter or buffer name -> stand_ins.Released
+        object.__setattr__(self, "guards", [])  # forward pre-hooks on the user's children, for this stage only
         for name, part in parts.items():
             self.add_module(name, part)  # a clash with an attribute above raises here, naming it
 
@@ -157,27 +162,6 @@ def prepare_for_sharding(module: nn.Module) -> set[nn.Parameter]:
     return {p for p in module.parameters() if p.dim() == 0}
 
 
-def swap_in_stand_ins(module: nn.Module) -> dict[str, nn.Module]:
-    """Give ``module`` deep copies of its children that hold parameters or buffers, for a sharded stage; return
-    the user's own children (by name), which nothing of FSDP2's ever touches.
-
-    ``fully_shard`` changes the class of each module it shards, registers hooks on it and on every module owning a
-    parameter, and marks the modules it manages; none of it has a public undo. Sharding copies instead leaves the
-    user's modules as they were, so after the stage they come back (:func:`to_plain`) with their own classes,
-    hooks and parameter objects, holding the trained values. One ``deepcopy`` of all the children keeps weights
-    tied between them tied; the LightningModule and its Trainer are not copied (a child may refer to them).
-    """
-    originals = {name: child for name, child in module.named_children()
-                 if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None}
-    memo: dict[int, Any] = {id(module): module}
-    trainer = getattr(module, "_trainer", None)
-    if trainer is not None:
-        memo[id(trainer)] = trainer
-    for name, stand_in in copy.deepcopy(originals, memo).items():
-        setattr(module, name, stand_in)
-    return originals
-
-
 def shard_module(
     module: nn.Module,
     originals: dict[str, nn.Module],
@@ -190,9 +174,10 @@ def shard_module(
     block_names: Sequence[str] | None = None,
 ) -> ShardedRoot:
     """Make each block an FSDP2 unit on the 1-D ``mesh`` (bottom-up), then the root unit of ``module``'s stand-ins
-    (:func:`swap_in_stand_ins` made them; ``blocks`` are theirs). The LightningModule's own parameters (not in a
-    child) stay whole on every rank, as scalars do (:func:`prepare_for_sharding`). With ``block_names``, each block
-    marks ``root.units_ran[name]`` when its forward runs (:func:`check_units_ran`)."""
+    (:func:`~dalle_lightning_plugins.strategies.stand_ins.make_stand_ins` made them on the meta device; ``blocks``
+    are theirs; :func:`materialize_stand_ins` allocates and fills their shards). The LightningModule's own
+    parameters (not in a child) stay whole on every rank, as scalars do (:func:`prepare_for_sharding`). With
+    ``block_names``, each block marks ``root.units_ran[name]`` when its forward runs (:func:`check_units_ran`)."""
     policy = mp_policy or MixedPrecisionPolicy()
     ignored = prepare_for_sharding(module) | set(module.parameters(recurse=False))
     for block in blocks:
@@ -201,7 +186,12 @@ def shard_module(
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     with torch.no_grad():  # FSDP2 moves what it manages; the LightningModule's own tensors are not under root
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            tensor.data = tensor.data.to(mesh.device_type)
+            # meta (init_module(empty_init=True)): allocated (zeros: no reset_parameters covers the module's own
+            # tensors, which Lightning's materialisation leaves uninitialised); rank 0's reach every rank
+            if tensor.is_meta:
+                stand_ins.assign(tensor, torch.zeros_like(tensor, device=mesh.device_type))
+            else:
+                tensor.data = tensor.data.to(mesh.device_type)
     # ddp(find_unused_parameters=True): a parameter without a gradient on this rank (a branch only some ranks
     # take) joins the reduce-scatter with zeros, so every rank sends the same buffers.
     compat.reduce_scatter_unused_params(root)  # torch's own call from 2.13
@@ -210,6 +200,65 @@ def shard_module(
     for name, block in zip(block_names or (), blocks):
         block.register_forward_pre_hook(functools.partial(_mark_ran, root.units_ran, name))
     return root
+
+
+@torch.no_grad()
+def materialize_stand_ins(root: ShardedRoot, device: torch.device) -> None:
+    """Allocate this rank's shards of the meta stand-ins on ``device`` and fill them from the user's tensors, whose
+    storage then goes back (:mod:`~dalle_lightning_plugins.strategies.stand_ins`); a user's child built on the meta
+    device (``init_module(empty_init=True)``) is initialised as ``ModelParallelStrategy`` does (each submodule's
+    ``reset_parameters`` on its shards). From here to the stage's end a forward through a user's child is refused."""
+    originals = root.originals
+    if any(t.is_meta for child in originals.values() for t in [*child.parameters(), *child.buffers()]):
+        compat.materialize_distributed_module(root, device)
+    else:
+        root.to_empty(device=device)
+    stand_ins.fill_shards(root, originals)
+    root.released.update(stand_ins.release(originals, stand_ins.keeps_storage(originals, device)))
+    root.guards.extend(stand_ins.guard_originals(originals))
+
+
+def shard_stand_ins(module: nn.Module, prepare: Callable[[nn.Module], tuple[nn.Module, list[tuple[str, nn.Module]]]],
+                    mesh: DeviceMesh, device: torch.device, **options: Any) -> ShardedRoot:
+    """A sharded stage's root: meta stand-ins of ``module``'s children
+    (:func:`~dalle_lightning_plugins.strategies.stand_ins.make_stand_ins`), ``prepare``d (the precision plugin's
+    conversion and hooks go on them; it returns the module and its blocks by name), sharded (:func:`shard_module`
+    with ``options``) and filled (:func:`materialize_stand_ins`), ``self.device`` the root device. A failure on the way
+    puts the user's children back as they came, then raises."""
+    originals = stand_ins.make_stand_ins(module, mesh.size())
+    root: ShardedRoot | None = None
+    try:
+        module, blocks = prepare(module)
+        root = shard_module(module, originals, [b for _, b in blocks], mesh, block_names=[n for n, _ in blocks],
+                            **options)
+        materialize_stand_ins(root, device)
+    except BaseException:
+        if root is None:
+            stand_ins.put_back(module, originals)  # nothing released yet
+        else:
+            restore_after_error(root, torch.device("cpu"))
+        raise
+    compat.set_module_device(module, device)  # self.device in the stage: the root device, as under ddp
+    return root
+
+
+def _remove_guards(root: ShardedRoot) -> None:
+    for handle in root.guards:
+        handle.remove()
+    root.guards.clear()
+
+
+def restore_after_error(root: ShardedRoot, device: torch.device) -> bool:
+    """No collective (a stage that failed or was interrupted; a peer may be gone): the LightningModule gets its own
+    children back, each rank alone (:func:`~dalle_lightning_plugins.strategies.stand_ins.restore_locally`). Returns
+    whether released tensors came back from this rank's shards only. A no-op for a root without stand-ins."""
+    if not getattr(root, "originals", None):
+        return False
+    _remove_guards(root)
+    if not is_plain(root):
+        reshard_all(root)
+        stand_ins.put_back(root.owner, root.originals)
+    return stand_ins.restore_locally(root, root.released, device)
 
 
 def _mark_ran(ran: dict[str, int], name: str, *_: Any) -> None:
@@ -290,30 +339,21 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def to_plain(root: ShardedRoot) -> None:
+def to_plain(root: ShardedRoot, device: torch.device | None = None) -> None:
     """Collective over the shard axis: the LightningModule gets its own children back, holding the trained values
     whole, as ``ddp`` leaves a module after ``fit``; :func:`from_plain` puts the sharded stand-ins back.
 
-    Each stand-in tensor is gathered (``DTensor.full_tensor()``, one at a time: the peak is one parameter) and
-    copied into the user's tensor of the same name, so the user's parameter objects, classes and hooks are those
-    they had before the stage. A tensor the precision plugin gave another dtype for the stage (``"16-true"``)
-    takes that dtype, as ``ddp`` leaves it. The stand-ins stay with ``root`` (the optimizer's parameters).
+    Each stand-in tensor is gathered (``DTensor.full_tensor()``, one at a time: the peak is one parameter) into the
+    user's tensor of the same name (:func:`~dalle_lightning_plugins.strategies.stand_ins.give_back`; one whose
+    storage the stage released is allocated anew, on ``device`` if given), so the user's parameter objects, classes
+    and hooks are those they had before the stage. The stand-ins stay with ``root`` (the optimizer's parameters).
     """
     if is_plain(root) or not getattr(root, "originals", None):
         return
     reshard_all(root)
-    module = root.owner
-    for name, original in root.originals.items():
-        setattr(module, name, original)
-        if any(t.is_meta for t in original.parameters()):  # built on the meta device (init_module(empty_init=True))
-            original.to_empty(device="cpu")
-    for name, value in _named_tensors(root):
-        whole = value.full_tensor() if isinstance(value, DTensor) else value
-        target = module.get_parameter(name) if isinstance(value, nn.Parameter) else module.get_buffer(name)
-        if target.dtype == whole.dtype and target.shape == whole.shape:
-            target.copy_(whole)
-        else:
-            target.data = whole.detach().to(target.device)
+    _remove_guards(root)
+    stand_ins.put_back(root.owner, root.originals)
+    stand_ins.give_back(root, root.released, device)
 
 
 @torch.no_grad()
@@ -337,6 +377,8 @@ def from_plain(root: ShardedRoot) -> None:
 def release_originals(root: ShardedRoot) -> None:
     """The module stays sharded after the stage (``full_weights_after=False``): the user's own children are dropped,
     so that only the shards take memory; a later stage reuses the stand-ins."""
+    _remove_guards(root)
+    root.released.clear()
     object.__setattr__(root, "originals", None)
 
 

@@ -51,7 +51,7 @@ from typing_extensions import override
 
 from dalle_lightning_plugins import compat
 
-from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.strategies import fsdp_wiring, stand_ins
 from dalle_lightning_plugins.strategies.collective_failures import OneLineCollectiveFailures
 from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
 from dalle_lightning_plugins.strategies.optimizer_step import AveragedOptimizerStep
@@ -291,6 +291,7 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
+            stand_ins.remap_optimizers(self.optimizers, self._root)  # groups built before the stage: stand-ins'
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -302,6 +303,14 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         self._blocks = dict(blocks)
         return blocks
 
+    def _prepare(self, module: nn.Module, fitting: bool) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
+        """The precision plugin's conversion, the blocks, activation checkpointing: the stage's module and blocks."""
+        module = self.precision_plugin.convert_module(module)
+        blocks = self._find_blocks(module)
+        if fitting and self.activation_checkpointing:
+            self._checkpointing.apply(b for _, b in blocks)
+        return module, blocks
+
     def _shard(self, module: nn.Module, fitting: bool) -> nn.Module:
         """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node
         (the user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`);
@@ -311,32 +320,19 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         if shard_size == 1 or not fitting and self._whole_stage(module, module.trainer.state.fn.value):
             # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
             # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
-            module = self.precision_plugin.convert_module(module)
-            blocks = self._find_blocks(module)
-            if fitting and self.activation_checkpointing:
-                self._checkpointing.apply(b for _, b in blocks)
+            module, _ = self._prepare(module, fitting)
             compat.materialize_meta_tensors(module, self.root_device)  # ``init_module(empty_init=True)``
             module.to(self.root_device)
+            # every rank starts from rank 0's parameters and buffers, as ddp's wrapper does when it is made
+            fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
             if shard_size > 1:
                 return module  # a stage without training, on whole weights: the module itself, as under ddp
-            fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
             return ShardedRoot(module, dict(module.named_children()))
-        originals = fsdp_wiring.swap_in_stand_ins(module)  # before the precision plugin: its hooks go on them
-        module = self.precision_plugin.convert_module(module)
-        blocks = self._find_blocks(module)
-        if fitting and self.activation_checkpointing:
-            self._checkpointing.apply(b for _, b in blocks)
-        root = fsdp_wiring.shard_module(
-            module,
-            originals,
-            [b for _, b in blocks],
-            self.device_mesh["shard"],
-            reshard_after_forward=self.reshard_after_forward,
-            prefetch_depth=self.prefetch_depth,
-            mp_policy=self.mp_policy,
-            block_names=self.block_names,
-        )
-        compat.materialize_distributed_module(root, self.root_device)
+        # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
+        root = fsdp_wiring.shard_stand_ins(
+            module, functools.partial(self._prepare, fitting=fitting), self.device_mesh["shard"], self.root_device,
+            mp_policy=self.mp_policy, reshard_after_forward=self.reshard_after_forward,
+            prefetch_depth=self.prefetch_depth)
         fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
         load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
         return root

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.strategies import fsdp_wiring
 from dalle_lightning_plugins.strategies.weight_averaging import whole_averages
 
@@ -33,17 +34,31 @@ class WholeWeightsAfterStage:
     validate, test or predict stage runs on whole weights from its start, as under ``ddp``."""
 
     def _leave_weights_whole(self) -> None:
-        """Collective at the end of a stage that ran to its end (never after an error: a peer may be gone): the
-        module's own children back, holding the whole values, as ``ddp`` leaves them (``full_weights_after``);
-        otherwise it keeps the sharded stand-ins. Either way the strategy's hooks on it come off."""
+        """The module after a stage, on the CPU as ``ddp`` leaves it: its own children back, holding the whole values
+        (``full_weights_after``; a collective, at the end of a stage that ran to its end), or the sharded stand-ins
+        kept (``full_weights_after=False``). After a stage that failed or was interrupted a peer may be gone: each
+        rank puts its children back alone (:meth:`_restore_after_error`). Either way the strategy's hooks come off."""
         module, root = self.lightning_module, self._root
-        trainer = getattr(module, "_trainer", None)
-        if root is not None and root.owner is module:
-            root.remove_owner_hooks()
-        if module is None or trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+        if module is None:
             return
-        sharded = isinstance(root, FSDPModule) and root.owner is module and not fsdp_wiring.is_plain(root)
-        if not sharded:  # one device per node, or a stage run on the whole module
+        trainer = compat.attached_trainer(module)
+        ours = root is not None and root.owner is module
+        if ours:
+            root.remove_owner_hooks()
+        ended = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        sharded = ours and isinstance(root, FSDPModule) and bool(root.originals) and not fsdp_wiring.is_plain(root)
+        carried = ours and isinstance(root, FSDPModule) and not root.originals  # left sharded by full_weights_after
+        if not ended:
+            if sharded and self.full_weights_after is not False:
+                self._restore_after_error(module, root)
+            elif sharded or carried:  # full_weights_after=False: the shards stay, as after a stage that ends
+                fsdp_wiring.release_originals(root)
+                fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, (root, self.device_mesh["shard"].size()))
+            elif not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):  # (a failed setup)
+                module.cpu()  # as ddp (Strategy.teardown), after an error too
+                self.model = module
+            return
+        if not (sharded or carried):  # one device per node, or a stage run on the whole module
             module.cpu()  # as ddp (Strategy.teardown): a module whole on every rank ends on the CPU
             self.model = module
             return
@@ -52,9 +67,24 @@ class WholeWeightsAfterStage:
             fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, (root, self.device_mesh["shard"].size()))
             return
         whole_averages(trainer)
-        fsdp_wiring.to_plain(root)
+        fsdp_wiring.to_plain(root, torch.device("cpu"))
         fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
+        module.cpu()  # the module's own tensors (outside its children) too
         self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
+
+    def _restore_after_error(self, module: nn.Module, root: fsdp_wiring.ShardedRoot) -> None:
+        """No collective: the user's children back on the CPU, their own objects, whole. Where the stage released a
+        tensor's storage, it holds this rank's trained shard and NaN elsewhere (the other shards are on the other
+        ranks, which an error may have taken): said in one line, with the way back (a checkpoint)."""
+        partial = fsdp_wiring.restore_after_error(root, torch.device("cpu"))
+        fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
+        module.cpu()
+        self.model = module
+        rank_zero_warn(
+            f"{type(self).__name__}: the stage ended without finishing, so the ranks did not gather the shards; "
+            + (f"{type(module).__name__}'s sharded parameters hold this rank's trained shard and NaN elsewhere: "
+               "resume from a checkpoint (trainer.fit(model, ckpt_path=...))" if partial else
+               f"{type(module).__name__}'s children hold the weights from before the stage"))
 
     def __getstate__(self) -> dict:
         """A pickled strategy (``torch.save(trainer)`` after ``fit``, as under ``ddp``) leaves out the last stage's
