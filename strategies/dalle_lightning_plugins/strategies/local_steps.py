@@ -193,8 +193,8 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
 
     @override
     def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
-        # The parent broadcasts rank 0's buffers (batch-norm statistics) over every rank before each synchronised
-        # forward: here only within the node (nodes talk at syncs), and over every rank at each sync.
+        # The parent broadcasts rank 0's buffers (batch-norm statistics) over every rank when ddp would (and after a
+        # resume): here only within the node (nodes talk at syncs), and over every rank at each sync.
         shard = self.device_mesh["shard"]
         return (shard.get_group() if shard.size() > 1 else None), shard.size()
 
