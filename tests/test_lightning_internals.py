@@ -29,6 +29,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("dalle_lightning", "strategies/dalle_lightning_plugins", "callbacks/dalle_lightning_callbacks",
@@ -132,6 +133,7 @@ def _owner(name: str) -> object:
         "LightningModule": LightningModule,
         "LightningOptimizer": lambda: LightningOptimizer(optimizer),
         "Precision": Precision,
+        "DDPStrategy": DDPStrategy,
         "EMAWeightAveraging": EMAWeightAveraging,
         "GradScaler": lambda: torch.amp.GradScaler("cpu"),
         "ProcessGroupGloo._Options": dist.ProcessGroupGloo._Options,  # type: ignore[attr-defined]
@@ -155,6 +157,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "EMAWeightAveraging": ("_latest_update_step", "_latest_update_epoch", "_average_model"),
     # The strategy records an overflow found by PowerSGD on every rank, so update() backs the scale off alike.
     "GradScaler": ("_per_optimizer_states",),
+    # compat.strategy_timeout (dalle_lightning_plugins.environments.elastic): the default group made before the
+    # strategy would, with its timeout.
+    "DDPStrategy": ("_timeout",),
+    # compat.recomputation_stop_errors (dalle_lightning_plugins.fast_paths): checkpointing's early stop is control flow.
+    "torch.utils.checkpoint": ("_StopRecomputationError",),
     # compat.set_group_timeout (dalle_lightning_plugins.strategies.mesh): the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
