@@ -516,6 +516,18 @@ def case_batchnorm_accumulation(layout: str, rank: int, workdir: Path) -> dict[s
     return full_weights(module)
 
 
+def case_batchnorm_weight_averaging(layout: str, rank: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """Lightning's ``EMAWeightAveraging`` (buffers averaged too) swaps its copy in for each validation: ddp's
+    broadcast before the first validation forward reaches the averaged buffers; with accumulation as well."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    module = Plain(net=Normed)
+    averaging = EMAWeightAveraging(decay=0.5)
+    fit(layout, module, rank, val=True, max_steps=-1, max_epochs=2, limit_train_batches=4, limit_val_batches=2,
+        accumulate_grad_batches=2, callbacks=[averaging])
+    return {**full_weights(module), **full_weights(averaging._average_model.module, "averaged.")}  # noqa: SLF001
+
+
 class GradientsSeen(Plain):
     """Records a gradient as ``on_after_backward`` and ``on_before_optimizer_step`` see it (first step)."""
 
