@@ -5,7 +5,9 @@ A stranger's residual model (``tests/helpers/stranger_residual.py``) on 2 gloo p
 * a fit that fails (an exception in ``training_step``) leaves the user's own children, parameter objects and
   classes, plain whole tensors on the CPU, without the strategy's hooks, and says in one line what they hold; a new
   Trainer's ``fit`` on it works and, with the failed fit's checkpoint, ends on ``ddp``'s weights;
-* a fit stopped by ``trainer.should_stop`` ends on ``ddp``'s weights, its own objects;
+* a fit stopped by ``trainer.should_stop`` ends on ``ddp``'s weights, its own objects; one interrupted by Ctrl-C
+  (``KeyboardInterrupt``) leaves the user's own objects, plain on the CPU, as ``ddp``;
+* a child compiled with ``Module.compile()`` is said in one line (its stand-in trains eagerly);
 * ``test`` on whole weights starts every rank from rank 0's parameters (ranks seeded apart), as ``ddp``'s wrapper;
 * parameter groups built in ``__init__`` from the children train as under ``ddp``;
 * a forward through a child referenced before the stage (``self.taps = [self.blocks[0]]``) and a parameter the
@@ -14,6 +16,7 @@ A stranger's residual model (``tests/helpers/stranger_residual.py``) on 2 gloo p
 
 from __future__ import annotations
 
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,15 @@ class Fails(Residual):
         return super().training_step(batch, batch_idx)
 
 
+class Interrupted(Residual):
+    """Ctrl-C at step 2: Lightning tears the stage down, then exits."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 2:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
 class StopsAt(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         trainer.should_stop = trainer.global_step >= 2
@@ -135,6 +147,28 @@ def _failed_then_resumed(layout: str, rank: int, workdir: Path) -> dict[str, Any
     return out
 
 
+def _interrupted(layout: str, rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Interrupted()
+    before = _objects(module)
+    try:
+        stage_trainer(layout).fit(module, stage_loader(rank))
+    except SystemExit as exit_:
+        code = exit_.code
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores Ctrl-C from its shutdown on
+    return {"exit": code, "same_objects": _objects(module) == before, "plain": _plain(module)}
+
+
+def _compiled(rank: int) -> list[str]:
+    torch.manual_seed(0)
+    module = Residual()
+    module.blocks[0].compile()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        stage_trainer("dpn2", max_steps=1).fit(module, stage_loader(rank))
+    return [str(w.message) for w in said if "Module.compile()" in str(w.message)]
+
+
 def _stopped(layout: str, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Residual()
@@ -165,11 +199,13 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     for layout in LAYOUTS:
         out[("failed", layout)] = _failed_then_resumed(layout, rank, Path(workdir))
         out[("stopped", layout)] = _stopped(layout, rank)
+        out[("interrupted", layout)] = _interrupted(layout, rank)
         out[("test", layout)] = _test_from_rank0(layout, rank)
         torch.manual_seed(0)
         module = GroupsInInit()
         stage_trainer(layout).fit(module, stage_loader(rank))
         out[("groups", layout)] = _weights(module)
+    out["compiled"] = _compiled(rank)
     out["taps"] = _refused("dpn2", rank, Taps)
     dist.barrier()  # a refused fit leaves the ranks where they were: both start the next one together
     out["tied"] = _refused("dpn2", rank, TiedOnModule)
@@ -208,6 +244,18 @@ def test_a_fit_stopped_by_should_stop_ends_as_ddp(results: list[dict[str, Any]])
         ours, ddp = rank_out[("stopped", "dpn2")], rank_out[("stopped", "ddp")]
         assert ours["same_objects"] and ours["plain"] == ddp["plain"]
         _assert_same(ours["weights"], ddp["weights"])
+
+
+def test_an_interrupted_fit_leaves_the_users_module_as_ddp(results: list[dict[str, Any]]) -> None:
+    for rank_out in results:
+        ours, ddp = rank_out[("interrupted", "dpn2")], rank_out[("interrupted", "ddp")]
+        assert ours["exit"] == ddp["exit"] == 1
+        assert ours["same_objects"] and ours["plain"] == ddp["plain"]
+
+
+def test_a_child_compiled_with_module_compile_is_said_in_one_line(results: list[dict[str, Any]]) -> None:
+    said = results[0]["compiled"]
+    assert len(said) == 1 and said[0].startswith("ShardedPowerSGDStrategy(devices_per_node=2): blocks.0 compiled"), said
 
 
 def test_test_on_whole_weights_starts_every_rank_from_rank_0s(results: list[dict[str, Any]]) -> None:
