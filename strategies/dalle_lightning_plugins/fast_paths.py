@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-import torch.utils.checkpoint
+from dalle_lightning_plugins import compat
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ _paths: weakref.WeakSet[FastPath] = weakref.WeakSet()
 # Exceptions torch raises through a fast path as control flow, never a failure of it: non-reentrant activation
 # checkpointing stops a recomputed forward early by raising from its saved-tensor hook, which fires inside a
 # compiled region; taken for a failure, the plain path would run in a recomputation torch had already stopped.
-_CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if t is not None)
+_CONTROL_FLOW: tuple[type[BaseException], ...] = compat.recomputation_stop_errors()
 
 
 def strict() -> bool:

@@ -143,7 +143,7 @@ class ResblockScalingPrecision(Precision):
         log2(M) too high (10 powers of two at 1,024 GPUs). A strategy that sums declares it with the attribute
         ``gradient_reduction = "sum"`` (protocol of this plugin); then ``M`` is its world size.
         """
-        trainer = getattr(module, "_trainer", None)
+        trainer = compat.attached_trainer(module)
         strategy = getattr(trainer, "strategy", None)
         reduction = getattr(strategy, GRADIENT_REDUCTION_ATTR, "mean")
         if reduction not in ("mean", "sum"):
