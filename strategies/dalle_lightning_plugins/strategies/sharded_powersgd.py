@@ -194,6 +194,7 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         self.block_names: list[str] = []
         self._blocks: dict[str, nn.Module] = {}
         self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
+        self._checkpointing: ActivationCheckpointing | None = None  # the stage's blocks' wrappers (setup, teardown)
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
         self._backward_start = 0.0
@@ -466,9 +467,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
     def teardown(self) -> None:
         try:
             self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
-            checkpointing = getattr(self, "_checkpointing", None)
-            if checkpointing is not None:
-                checkpointing.remove()  # the blocks' own forward again
+            if self._checkpointing is not None:
+                self._checkpointing.remove()  # the blocks' own forward again
             self._leave_weights_whole()
         finally:
             super().teardown()  # the stage's own installs are undone even if the weights could not be made whole
