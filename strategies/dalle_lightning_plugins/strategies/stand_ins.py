@@ -65,8 +65,10 @@ def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
 def refuse_owner_ties(module: nn.Module, originals: dict[str, nn.Module], shard_size: int) -> None:
     """One line before anything trains: a tensor the LightningModule registers itself and a child holds too would
     be two tensors in a sharded stage (the child's stand-in sharded, the module's own whole)."""
-    held = {id(t): f"{name}.{sub}" for name, child in originals.items()
-            for sub, t in _named_tensors(child, remove_duplicate=False)}
+    held: dict[int, str] = {}
+    for name, child in originals.items():
+        for sub, t in _named_tensors(child, remove_duplicate=False):
+            held.setdefault(id(t), f"{name}.{sub}")
     for own, tensor in _named_tensors(module, remove_duplicate=False):
         if "." not in own and id(tensor) in held:
             raise ValueError(
@@ -156,10 +158,12 @@ def release(originals: dict[str, nn.Module], keep: bool) -> dict[str, Released]:
     """Each user tensor's storage back (an empty tensor of its dtype on its device; the object and its
     ``requires_grad`` stay), unless ``keep``; meta ones stay meta. Returns what giving them back needs, by name."""
     released: dict[str, Released] = {}
+    seen: set[int] = set()  # a tensor tied between children: under its first name, as the stand-ins' root names it
     for child_name, child in originals.items():
         for sub, tensor in _named_tensors(child):
-            if keep and not tensor.is_meta:
+            if id(tensor) in seen or keep and not tensor.is_meta:
                 continue
+            seen.add(id(tensor))
             channels_last = tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(
                 memory_format=torch.channels_last)
             released[f"{child_name}.{sub}"] = Released(tensor, tensor.shape, channels_last)
