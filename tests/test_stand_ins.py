@@ -51,20 +51,12 @@ def test_released_tensors_come_back_whole_in_their_own_objects() -> None:
     module = Tied()
     before = {n: t.detach().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
     ids = {n: id(t) for n, t in [*module.named_parameters(), *module.named_buffers()]}
-    originals = stand_ins.make_stand_ins(module)
-    root = nn.Module()
-    for name in originals:
-        root.add_module(name, getattr(module, name))
-    for tensor in {id(t): t for t in [*root.parameters(), *root.buffers()]}.values():  # ties kept (to_empty's aren't)
-        stand_ins.assign(tensor, torch.empty_like(tensor, device="cpu"))
-    stand_ins.fill_shards(root, originals)
+    root, originals, released = _stage(module)
     for name, value in [*root.named_parameters(), *root.named_buffers()]:
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
-    released = stand_ins.release(originals, keep=False)
     assert all(t.untyped_storage().nbytes() == 0 for c in originals.values() for t in [*c.parameters(), *c.buffers()])
     with torch.no_grad():
         root.enc[0].weight.add_(1.0)  # what the stage trained
-    object.__setattr__(root, "originals", originals)
     stand_ins.put_back(module, originals)
     stand_ins.give_back(root, released, torch.device("cpu"))
     assert {n: id(t) for n, t in [*module.named_parameters(), *module.named_buffers()]} == ids
@@ -72,6 +64,34 @@ def test_released_tensors_come_back_whole_in_their_own_objects() -> None:
     torch.testing.assert_close(module.enc[0].weight, before["enc.0.weight"] + 1, rtol=0, atol=0)
     torch.testing.assert_close(module.dec.weight, before["dec.weight"], rtol=0, atol=0)
     assert not module.frozen.weight.requires_grad
+
+
+def _stage(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module], dict[str, stand_ins.Released]]:
+    """A stage's stand-ins in one process (whole tensors stand for the shards): made, filled, the user's released."""
+    originals = stand_ins.make_stand_ins(module)
+    root = nn.Module()
+    for name in originals:
+        root.add_module(name, getattr(module, name))
+    for tensor in {id(t): t for t in [*root.parameters(), *root.buffers()]}.values():  # ties kept (to_empty's aren't)
+        stand_ins.assign(tensor, torch.empty_like(tensor, device="cpu"))
+    stand_ins.fill_shards(root, originals)
+    object.__setattr__(root, "originals", originals)
+    return root, originals, stand_ins.release(originals, keep=False)
+
+
+def test_after_an_error_each_rank_puts_back_what_it_holds_without_a_collective() -> None:
+    torch.manual_seed(0)
+    module = Tied()
+    root, originals, released = _stage(module)
+    with torch.no_grad():
+        root.enc[0].weight.mul_(2.0)
+    trained = {n: t.detach().clone() for n, t in [*root.named_parameters(), *root.named_buffers()]}
+    stand_ins.put_back(module, originals)
+    assert stand_ins.restore_locally(root, released, torch.device("cpu"))  # something had been released
+    assert module.head.weight is module.enc[0].weight  # the tie survives
+    got = dict([*module.named_parameters(), *module.named_buffers()])
+    for name, value in trained.items():  # a tensor this rank holds whole comes back with its trained value
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
 
 
 def test_a_meta_tensor_given_back_keeps_its_object() -> None:
