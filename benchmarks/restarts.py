@@ -107,12 +107,13 @@ def log_lines(out: Path, teardown: bool = True) -> list[int]:
 
 
 def same(a: Path, b: Path) -> bool:
+    """Whether two model files (``prior.pt``) hold the same weights."""
     import torch
 
-    x = torch.load(a, map_location="cpu", weights_only=True)
-    y = torch.load(b, map_location="cpu", weights_only=True)
-    x, y = x.get("state_dict", x), y.get("state_dict", y)
-    return all(torch.equal(x[k], v) for k, v in y.items() if torch.is_tensor(v))
+    from dalle_lightning.artifacts import read_file
+
+    x, y = read_file(a)["state_dict"], read_file(b)["state_dict"]
+    return set(x) == set(y) and all(torch.equal(x[k], v) for k, v in y.items())
 
 
 def run_case(hosts: two_hosts.TwoHosts, work: Path, case: str, steps: int = 300, at: int = 175, every: int = 50,
