@@ -49,7 +49,7 @@ class WholeWeightsAfterStage:
         sharded = ours and isinstance(root, FSDPModule) and bool(root.originals) and not fsdp_wiring.is_plain(root)
         carried = ours and isinstance(root, FSDPModule) and not root.originals  # left sharded by full_weights_after
         if not ended:
-            if sharded and self.full_weights_after is not False:
+            if sharded and self._whole_after_error(module):
                 self._restore_after_error(module, root)
             elif sharded or carried:  # full_weights_after=False: the shards stay, as after a stage that ends
                 fsdp_wiring.release_originals(root)
@@ -71,6 +71,14 @@ class WholeWeightsAfterStage:
         fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
         module.cpu()  # the module's own tensors (outside its children) too
         self.model = module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
+
+    def _whole_after_error(self, module: nn.Module) -> bool:
+        """``full_weights_after`` without a collective: ``"auto"`` not yet decided judges this rank's memory alone."""
+        if self.full_weights_after is True or self.full_weights_after is False:
+            return self.full_weights_after
+        if self._full_weights_decision is not None:
+            return self._full_weights_decision
+        return fsdp_wiring.whole_bytes(module) <= FULL_WEIGHTS_MEMORY_SHARE * self._free_bytes_per_rank()
 
     def _restore_after_error(self, module: nn.Module, root: fsdp_wiring.ShardedRoot) -> None:
         """No collective: the user's children back on the CPU, their own objects, whole. Where the stage released a
