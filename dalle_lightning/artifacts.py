@@ -167,11 +167,9 @@ def read_meta(path: str | Path, key: str) -> int:
     if path.suffix == ".json":
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist; run `dalle-train stage=tokenizer` first")
-        from tokenizers import Tokenizer
+        from dalle_lightning.data.tokenizer import read_tokenizer, recorded_text_len
 
-        from dalle_lightning.data.tokenizer import recorded_text_len
-
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = read_tokenizer(path)  # bounded: an absurdly large file is refused before it is read
         if key == "vocab_size":
             return _tokenizer_int(tokenizer.get_vocab_size(), path, key)
         if key == "text_len":

@@ -19,6 +19,7 @@ import webdataset as wds
 from PIL import Image
 
 from dalle_lightning.data.datamodule import ImageTextDataModule
+from dalle_lightning.artifacts import read_meta
 from dalle_lightning.data.tokenizer import MAX_TOKENIZER_BYTES, CaptionTokenizer
 from dalle_lightning.data.transforms import MAX_IMAGE_PIXELS, ImageTooLarge, decode_image
 from tests.conftest import run_app
@@ -109,5 +110,9 @@ def test_a_tokenizer_file_beyond_any_tokenizer_is_refused_before_it_is_read(work
     assert line == (f"error: tokenizer file {str(huge)!r} holds {MAX_TOKENIZER_BYTES + 1} bytes, so it was not read; "
                     "expected a tokenizer.json of at most 64 MiB (the largest published tokenizers are about 33 MB)")
     assert CaptionTokenizer.load(work / "tokenizer.json").vocab_size > 0  # a real one loads
+    # the ${meta:...} resolver the prior's and dalle-encode's configs read sizes through: the same bound
+    with pytest.raises(ValueError, match="so it was not read"):
+        read_meta(huge, "vocab_size")
+    assert read_meta(work / "tokenizer.json", "vocab_size") == CaptionTokenizer.load(work / "tokenizer.json").vocab_size
     with pytest.raises(ValueError, match="is not a regular file"):
         CaptionTokenizer.load("/dev/zero")
