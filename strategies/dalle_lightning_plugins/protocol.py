@@ -130,6 +130,23 @@ def find_resblocks(
     )
 
 
+def blocks_tied_outside(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The blocks holding a parameter that a module outside the block holds too (weights tied across blocks, or
+    between a block and the rest of the model, as an embedding and its unembedding).
+
+    Such a block cannot be a sharding unit of its own: FSDP2 manages each parameter in exactly one unit. Left out
+    of the units, its parameters join the unit that holds the rest of the model, with the tie intact.
+    """
+    tied: list[str] = []
+    for name, block in blocks:
+        inside = {id(m) for m in block.modules()}
+        own = {id(p) for p in block.parameters()}
+        outside = {id(p) for m in root.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+        if own & outside:
+            tied.append(name)
+    return tied
+
+
 def resolve_block_class(spec: type[nn.Module] | str) -> type[nn.Module]:
     """Accept classes or dotted paths (``"torchvision.models.resnet.BasicBlock"``) so Hydra configs can name them."""
     if isinstance(spec, type):

@@ -66,7 +66,7 @@ from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
 from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD
-from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, find_resblocks, resolve_block_class
+from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, blocks_tied_outside, find_resblocks, resolve_block_class
 from dalle_lightning_plugins.io.strategy_checkpoints import ShardedCheckpointing
 from dalle_lightning_plugins.strategies.whole_weights import WholeWeightsAfterStage, refuse_whole_copy_callbacks
 
@@ -300,6 +300,11 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
     def _find_blocks(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """The blocks that become FSDP units (and the overlapped exchange's buckets)."""
         blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
+        tied = blocks_tied_outside(module, blocks) if self.device_mesh["shard"].size() > 1 else []
+        if tied:
+            rank_zero_info(f"{type(self).__name__}: {len(tied)} block(s) share weights with the rest of the model "
+                           f"(first: {tied[0]}), so they are sharded with it rather than as units of their own")
+            blocks = [(name, block) for name, block in blocks if name not in tied]
         self.block_names = [name for name, _ in blocks]
         self._blocks = dict(blocks)
         return blocks
