@@ -13,8 +13,9 @@ may be gone, each rank puts its children back alone (:func:`restore_locally`).
 Storage is kept where it costs the stage's device nothing: a model built on the CPU for a stage on a GPU keeps its
 tensors (host memory it already held); after an error those are the weights from before the stage.
 
-What would meet a released tensor is refused in one line: a forward through a user's child during the stage (a
-reference taken before it, ``self.taps = [self.enc[0]]``), and a parameter the LightningModule registers itself and a
+What would meet a released tensor is refused in one line: a child held in a plain attribute of the module
+(``self.taps = [self.enc[0]]``, at setup, before anything is sharded), a forward through a user's child during the
+stage (a reference taken before it that no scan sees, a closure), and a parameter the LightningModule registers itself and a
 child holds too (``self.head_w = self.enc[0].weight``: FSDP2 would shard one and leave the other). Parameter groups
 built before the stage from the children's parameters are handed the stand-ins' (:func:`remap_optimizers`).
 """
@@ -78,6 +79,32 @@ def refuse_owner_ties(module: nn.Module, originals: dict[str, nn.Module], shard_
                 f"(self.{held[id(tensor)]}) or a property, or use devices_per_node=1")
 
 
+# nn.Module's own state in every instance's __dict__ (its registered children, parameters, buffers, hook tables).
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
+def refuse_listed_children(module: nn.Module, originals: dict[str, nn.Module], shard_size: int) -> None:
+    """One line before anything is sharded: a plain attribute of the LightningModule (a list, tuple or dict, one level
+    deep) that holds one of its children's modules, as ``self.taps = [self.enc[0]]``, would reach the user's own
+    module during the stage, whose values the stand-ins hold. Found here, the refusal leaves every weight as it was;
+    a reference this scan cannot see (a closure, another object) meets :func:`guard_originals` instead."""
+    inside: dict[int, str] = {}
+    for child_name, child in originals.items():
+        for sub, m in child.named_modules():
+            inside.setdefault(id(m), f"{child_name}.{sub}".rstrip("."))
+    for attr, value in vars(module).items():
+        if attr in _MODULE_STATE:
+            continue
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        found = next((inside[id(item)] for item in items if isinstance(item, nn.Module) and id(item) in inside), None)
+        if found is not None:
+            raise ValueError(
+                f"ShardedPowerSGDStrategy(devices_per_node={shard_size}): {type(module).__name__}.{attr} holds the "
+                f"child {found} outside the module's registered children, which would run the user's own module, "
+                f"not its sharded stand-in; register it (nn.ModuleList) or reach it through the module "
+                f"(self.{found}), or use devices_per_node=1")
+
+
 def make_stand_ins(module: nn.Module, shard_size: int = 2) -> dict[str, nn.Module]:
     """Give ``module`` meta-device stand-ins of its children that hold parameters or buffers (one ``deepcopy`` whose
     memo maps every tensor to a meta twin: no whole copy, ties kept); return the user's own children by name.
@@ -86,6 +113,7 @@ def make_stand_ins(module: nn.Module, shard_size: int = 2) -> dict[str, nn.Modul
     ``Module.compile()`` is said in one line: ``deepcopy`` drops the compiled call, so its stand-in runs eagerly."""
     originals = _children_with_tensors(module)
     refuse_owner_ties(module, originals, shard_size)
+    refuse_listed_children(module, originals, shard_size)
     memo: dict[int, Any] = {id(module): module}
     trainer = compat.attached_trainer(module)
     if trainer is not None:
