@@ -17,11 +17,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from dalle_lightning.models import recompiles
-from dalle_lightning.models.flex import FlexRecompileError, compiled_flex, flex_block_mask
+from dalle_lightning.models import flex
+from dalle_lightning.models.flex import FlexRecompileError, compiled_flex, cpu_flex_compiles, flex_block_mask
 from dalle_lightning.models.layout import AttentionLayout
 from dalle_lightning.models.prior import DallePrior
 from dalle_lightning.models.sparse_attention import dense_attention
 from dalle_lightning_plugins.fast_paths import reset_reports, strict_fast_paths
+
+# The compiled CPU kernel runs only where torch's CPU vector set is AVX-512 (models/flex.py, cpu_flex_compiles).
+needs_compiled_cpu_flex = pytest.mark.skipif(
+    not cpu_flex_compiles(), reason=f"this CPU ({torch.backends.cpu.get_cpu_capability()}) runs FlexAttention's eager "
+    "kernel: torch's compiled CPU kernel was measured wrong without AVX-512")
 
 TINY = dict(text_vocab_size=64, text_len=8, image_vocab_size=64, image_grid=4, n_layer=6, n_head=2, d_head=16)
 
@@ -31,6 +37,7 @@ def _flex_graphs() -> int:
 
 
 @pytest.mark.slow
+@needs_compiled_cpu_flex
 def test_flex_compiles_once_per_dtype_over_layouts_batches_and_validation() -> None:
     torch._dynamo.reset()
     counters.clear()
@@ -58,6 +65,7 @@ def test_flex_compiles_once_per_dtype_over_layouts_batches_and_validation() -> N
 
 
 @pytest.mark.slow
+@needs_compiled_cpu_flex
 def test_hitting_the_recompile_limit_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
     """Strict mode raises :class:`FlexRecompileError`; a user's run gets one line and the unfused path for the new
     shapes (equal to the dense reference), while the kernel compiled before the limit stays in use."""
@@ -87,6 +95,26 @@ def test_hitting_the_recompile_limit_is_one_line(caplog: pytest.LogCaptureFixtur
         torch._dynamo.reset()
         recompiles.reset_counts()
         reset_reports()
+
+
+def test_a_cpu_without_avx512_runs_the_eager_kernel_said_once(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Where the compiled CPU kernel is not used, every call runs the eager kernel (dense attention's values), nothing
+    is compiled, and one line says so per process."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(flex, "_CPU_EAGER_SAID", [])
+    torch._dynamo.reset()
+    recompiles.reset_counts()
+    layout = AttentionLayout("conv", 8, 8, 8)
+    q, k, v = torch.randn(3, 2, 3, 72, 16).unbind(0)
+    mask = flex_block_mask(layout, 72, q.device)
+    with torch.no_grad(), caplog.at_level(logging.WARNING), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own unfused-path warning is not printed either
+        for _ in range(2):
+            torch.testing.assert_close(compiled_flex(q, k, v, mask), dense_attention(q, k, v, layout), atol=1e-5, rtol=0)
+    lines = [r.getMessage() for r in caplog.records if "eager kernel on this CPU" in r.getMessage()]
+    assert len(lines) == 1 and "(AVX2, no AVX-512)" in lines[0], lines
+    assert "flex_attention" not in recompiles.graphs_per_region()  # the project's compiled kernel never ran
 
 
 @pytest.mark.cuda

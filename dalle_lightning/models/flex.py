@@ -19,6 +19,7 @@ strict mode, :class:`FlexRecompileError`.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,9 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 from dalle_lightning.models.layout import AttentionLayout, visible
 from dalle_lightning.models.recompiles import CompiledFunction, RecompileLimitError
 from dalle_lightning_plugins.fast_paths import FastPath
+
+
+log = logging.getLogger(__name__)
 
 
 class FlexRecompileError(RecompileLimitError):
@@ -65,6 +69,19 @@ _FLEX_PATH = FastPath("torch.compile of FlexAttention", "model.attn_impl=sparse"
                       passthrough=(RecompileLimitError,))
 
 
+def cpu_flex_compiles() -> bool:
+    """Whether torch's compiled CPU FlexAttention kernel is used on this CPU: only where it has AVX-512.
+
+    On an AVX2-only machine (torch 2.9.1 and 2.14.1) the compiled kernel was measured wrong: 1.8 to 2.2 away from the
+    eager kernel on the prior's conv layout and on a plain causal mask of 72 positions, NaN rows or a freed-pointer
+    abort on other runs of the same call; the eager kernel agrees with dense attention to 5e-7 there. The CPU's
+    vector set is torch's own reading (``torch.backends.cpu.get_cpu_capability``)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+_CPU_EAGER_SAID: list[bool] = []
+
+
 def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
     """``flex_attention`` compiled (the fused block-sparse kernel).
 
@@ -74,6 +91,13 @@ def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
     one run ``flex_attention`` eagerly (it writes out the score matrix), with one line."""
     if torch.compiler.is_compiling():
         return torch_flex_attention(q, k, v, block_mask=block_mask)
+    if q.device.type == "cpu" and not cpu_flex_compiles():
+        if not _CPU_EAGER_SAID:
+            _CPU_EAGER_SAID.append(True)
+            log.warning("FlexAttention runs its eager kernel on this CPU (%s, no AVX-512): torch's compiled CPU kernel "
+                        "gives wrong values there; model.attn_impl=sparse is the fast kernel on a CPU",
+                        torch.backends.cpu.get_cpu_capability())
+        return _eager_flex(q, k, v, block_mask)
     return _FLEX_PATH.run(lambda: _COMPILED_FLEX(q, k, v, block_mask=block_mask),
                           lambda: _eager_flex(q, k, v, block_mask))
 
