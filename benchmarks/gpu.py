@@ -292,7 +292,7 @@ def main() -> None:
     began = time.perf_counter()
     peak = bf16_peak(device, 1024 if args.smoke else 8192)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(json.dumps({"device": name, "torch": torch.__version__, "bf16_peak_tflop_s": round(peak / 1e12, 1),
+    print(json.dumps({"device": name, "torch": torch.__version__, "bf16_peak_tflop_s": float(f"{peak / 1e12:.3g}"),  # 3 figures: a CPU without bf16 units reads 0.03
                       "fp32_matmul_precision": args.fp32_matmul, "date": time.strftime("%Y-%m-%d")}), flush=True)
     skipped, failed = [], []
     with warnings.catch_warnings(record=True) as caught:

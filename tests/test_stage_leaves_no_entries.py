@@ -152,7 +152,9 @@ def test_a_fit_leaves_the_environment_and_the_averaged_copy_as_ddp(fits: list[di
     for rank, got in enumerate(fits):
         ddp, mine = got[("ddp", fail_at)], got[("dpn2", fail_at)]
         assert mine["error"] == ddp["error"] == ("" if fail_at is None else "the user's step fails")
-        assert mine["environ"] == ddp["environ"], f"rank {rank}"
+        # what ddp's stage changes (Lightning's teardown removes WORLD_SIZE), but for the OMP_NUM_THREADS that
+        # DDPStrategy sets where it was unset and leaves: the strategy sets the thread count for the stage only
+        assert mine["environ"] == {k: v for k, v in ddp["environ"].items() if k != "OMP_NUM_THREADS"}, f"rank {rank}"
         assert mine["hooks"] == ddp["hooks"], f"rank {rank}: the strategy's hooks left on the averaged copy"
         assert mine["entries"] == ddp["entries"] == 0
         if fail_at is None:  # a stage that ran to its end: the copy whole, as ddp's (full_weights_after=False too)
