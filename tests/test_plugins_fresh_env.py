@@ -46,9 +46,10 @@ ABSENT = ("open_clip", "webdataset", "tokenizers", "hydra", "dalle_lightning", "
 # Largest difference to ddp, by layout (tests/test_strategy_conformance.py's TOLERANCE). PowerSGD at full rank is
 # exact up to the rounding of its QR, which grows with a gradient's condition number: ResNet-18's convolution
 # gradients are ill-conditioned, and its difference to ddp grows from 3e-8 after one update to 5e-7 after two and
-# 1.2e-4 after three (docs/results.md; 0 with every gradient uncompressed); hence 1e-3 there.
+# 1.2e-4 after three (docs/results.md; 0 with every gradient uncompressed) on an AVX-512 machine, 1.07e-3 after three
+# on an AVX2-only one (2026-11-29, the same before and after that day's changes); hence 2e-3 there.
 TOLERANCE = {"dpn2": 1e-5, "dpn1": 1e-4}
-LOOSER = {("resnet18", "dpn1"): 1e-3}
+LOOSER = {("resnet18", "dpn1"): 2e-3}
 
 
 def _clean_env() -> dict[str, str]:
