@@ -170,6 +170,7 @@ def test_a_failed_flex_compile_attends_eagerly(monkeypatch: pytest.MonkeyPatch, 
     # The compiled flex_attention patched, not torch.compile: torch's eager flex_attention compiles (backend eager).
     calls: list[str] = []
     monkeypatch.setattr(flex._COMPILED_FLEX, "_compiled", broken("flex_attention", calls))
+    monkeypatch.setattr(flex, "cpu_flex_compiles", lambda: True)  # the compiled path is tried on any CPU here
     layout = AttentionLayout("conv", n_text=5, height=4, width=4, conv_kernel=3)
     q, k, v = torch.randn(3, 2, 2, 21, 8).unbind(0)
     with torch.no_grad(), warnings.catch_warnings():
