@@ -20,8 +20,7 @@ never a pickled blob, so a full file loads with ``torch.load(weights_only=True)`
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -80,8 +79,8 @@ class ShardedCheckpointing:
     inter_node: Any  # the strategy's InterNodeReduction (its overlap=auto choice is per-rank state too)
     buffer_broadcasts: BufferBroadcasts  # rank 0's buffers to the ranks that share them, after a load
     _checkpoint_io: CheckpointIO | None
-    _root: Any  # the strategy's sharded root, None before a sharded stage
-    _named_collective: Callable[[str], AbstractContextManager[None]]  # OneLineCollectiveFailures: a lost peer in one line
+    stage: Any  # the strategy's ShardedModel: its sharded root, None before a sharded stage
+    collective_failures: Any  # the strategy's CollectiveFailures: a lost peer in one line
     _whole_after_save = False  # see _sharded_for_checkpoint
 
     @property
@@ -108,7 +107,7 @@ class ShardedCheckpointing:
         """A checkpoint of a module left whole after a stage (``full_weights_after``, e.g. ``trainer.save_checkpoint``
         after ``fit``) is made from its shards, which take the whole values again (no collective); the save that
         follows makes the module whole again, so the optimizer's (sharded) parameters are the module's meanwhile."""
-        root = self._root
+        root = self.stage.root
         if root is not None and is_plain(root):
             from_plain(root)
             self._whole_after_save = True
@@ -157,11 +156,11 @@ class ShardedCheckpointing:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
         assert self.powersgd is not None
         path = self.broadcast(filepath)
-        with self._named_collective("a checkpoint's write"):
+        with self.collective_failures.named("a checkpoint's write"):
             self._save(checkpoint, path)
             if self._whole_after_save:  # see _sharded_for_checkpoint
                 self._whole_after_save = False
-                to_plain(self._root)  # type: ignore[attr-defined]
+                to_plain(self.stage.root)
 
     def _save(self, checkpoint: dict[str, Any], path: PathLike) -> None:
         """Collective: ``checkpoint`` to ``path`` in the strategy's format."""
