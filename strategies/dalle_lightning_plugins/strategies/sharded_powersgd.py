@@ -7,22 +7,18 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
   remaining parameters form the root unit; the next blocks are prefetched explicitly
   (:mod:`dalle_lightning_plugins.strategies.fsdp_wiring`, :mod:`dalle_lightning_plugins.strategies.prefetch`);
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
-  gradient with its replicas on the other nodes through :class:`~dalle_lightning_plugins.compression.powersgd.PowerSGD`
-  (not FSDP's HSDP all-reduce, which cannot be compressed), during the backward where it can:
-  :mod:`dalle_lightning_plugins.compression.inter_node` decides when, :mod:`dalle_lightning_plugins.compression.exchange` overlaps.
-  A non-finite gradient anywhere skips the optimizer step on every rank. A precision plugin that offers
-  ``unscale_and_flag(optimizer) -> bool`` and ``mark_nonfinite()``
-  (:class:`~dalle_lightning_plugins.precision.resblock_precision.ResblockScalingPrecision`) unscales the gradients
-  before PowerSGD and owns the skip decision;
-* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
-  sharded DCP directories (``"sharded"``), holding the model, the optimizer and each rank's PowerSGD state and
-  buffers, so a resumed run continues exactly (:mod:`dalle_lightning_plugins.io.strategy_checkpoints`);
+  gradient with its replicas on the other nodes through PowerSGD (not FSDP's HSDP all-reduce, which cannot be
+  compressed), during the backward where it can (:mod:`dalle_lightning_plugins.compression.inter_node`). A
+  non-finite gradient anywhere skips the optimizer step on every rank; a precision plugin with
+  ``unscale_and_flag(optimizer)`` and ``mark_nonfinite()`` unscales before PowerSGD and owns the skip decision;
+* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``) or sharded DCP directories
+  (``"sharded"``), with each rank's PowerSGD state and buffers (:mod:`dalle_lightning_plugins.io.strategy_checkpoints`);
 * after ``fit``, ``validate``, ``test`` and ``predict`` the module holds whole plain tensors, as ``ddp`` leaves it
-  (``full_weights_after``; :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`), sharded again by the next stage;
-* a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
-  ``docs/plugins.md``), or the strategy says in one line what it cannot do.
+  (``full_weights_after``, :mod:`dalle_lightning_plugins.strategies.whole_weights`), sharded again by the next stage;
+* a LightningModule trains as under ``ddp``, behaviour by behaviour, or the strategy says in one line what it cannot do.
 
-This module is Lightning's hook order: environment, setup, backward, optimizer step, teardown.
+This module is Lightning's hook order (environment, setup, backward, optimizer step, teardown), calling the parts
+the strategy holds.
 
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
 (after ``import dalle_lightning_plugins``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Two
@@ -64,9 +60,10 @@ from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, Sh
 from dalle_lightning_plugins.strategies.weight_averaging import shard_averages
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
-from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD
+from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD  # noqa: F401 (kept names)
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, resolve_block_class
-from dalle_lightning_plugins.io.strategy_checkpoints import ShardedCheckpointing
+from dalle_lightning_plugins.io.checkpoint_io import PathLike
+from dalle_lightning_plugins.io.strategy_checkpoints import OVERLAP_CHOICE_KEY, Ranks, StrategyCheckpoints
 from dalle_lightning_plugins.strategies.stage_model import ShardedModel
 from dalle_lightning_plugins.strategies.whole_weights import WholeWeights, refuse_whole_copy_callbacks
 
@@ -77,13 +74,13 @@ STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
 
 
-class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedParallelStrategy):
+class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
 
     Composed of parts that own their state, each called from the Lightning hook that needs it: ``stage`` (the
     sharded root, its stand-ins and originals, the blocks), ``whole_weights`` (``full_weights_after`` and the end
     of a stage), ``inter_node`` (the exchange between nodes), ``averaged_step`` (the optimizer step around it),
-    ``collective_failures`` (a lost peer in one line).
+    ``collective_failures`` (a lost peer in one line), ``checkpoints`` (what goes to and comes from disk).
 
     Args:
         devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
@@ -167,7 +164,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
             raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
-        self.checkpoint_format = checkpoint_format
+        self.checkpoints = StrategyCheckpoints(checkpoint_format)
         self.whole_weights = WholeWeights(full_weights_after, type(self).__name__)
         self.devices_per_node = devices_per_node
         self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
@@ -176,17 +173,6 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
         self.prefetch_depth = prefetch_depth
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
-        if powersgd_rank is not None and compression is not None:
-            raise ValueError(f"powersgd_rank={powersgd_rank!r} and compression={compression!r} both given; "
-                             "set one: the rank, or the share of bytes to save from which the rank follows")
-        if compression is not None and not 0 < compression < 1:
-            raise ValueError(f"compression={compression!r}, expected a share of bytes saved between 0 and 1 (e.g. 0.86)")
-        if powersgd_rank is not None and (not isinstance(powersgd_rank, int) or powersgd_rank < 1):
-            raise ValueError(f"powersgd_rank={powersgd_rank!r}, expected a positive integer")
-        if not bucket_cap_mb >= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}, expected a non-negative size in MiB")
-        if powersgd_rank is None:
-            powersgd_rank = DEFAULT_RANK
         self.inter_node = InterNodeReduction(
             dict(rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
                  comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps),
@@ -207,8 +193,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
     def _exchange(self) -> OverlappedExchange | None:
         return self.inter_node.exchange
 
-    # the parts' state under the names callers, tests and benchmarks read on the strategy
-    @property
+    @property  # the parts' state under the names callers, tests and benchmarks read on the strategy
     def _root(self) -> ShardedRoot | None:
         return self.stage.root
 
@@ -220,6 +205,10 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
     @property
     def full_weights_after(self) -> bool | str:
         return self.whole_weights.full_weights_after
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.checkpoints.format
 
     def _leave_weights_whole(self) -> None:
         """The module after a stage (:meth:`WholeWeights.leave`); the strategy's model is what it leaves."""
@@ -241,23 +230,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
 
     @override
     def setup_environment(self) -> None:
-        # As every Lightning strategy: select this rank's device first (``torch.cuda.set_device`` on CUDA), so
-        # ``devices=[2, 3]`` or an already initialised CUDA context cannot put two ranks on one GPU.
-        assert self.accelerator is not None
-        self.accelerator.setup_device(self.root_device)
-        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Lightning's launcher divides the cores among its processes only in the process that launches the
-            # others (after starting them): every other rank would run as many threads as there are cores. For the
-            # stage only: at its teardown the count is what it was, as ddp leaves it.
-            self.until_teardown(functools.partial(torch.set_num_threads, torch.get_num_threads()))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        self._setup_distributed()
-        backend = self._get_process_group_backend()
-        per_node = self.devices_per_node or self.num_processes
-        if self.world_size < per_node:  # the same code on fewer devices (a one-device debug run): one node of them
-            rank_zero_info(f"{type(self).__name__}(devices_per_node={per_node}) on a world of {self.world_size}: "
-                           f"one node of {self.world_size} device(s)")
-            per_node = self.world_size
+        per_node, backend = self._start_processes(self.devices_per_node or self.num_processes)
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
@@ -300,15 +273,11 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _find_blocks(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The blocks that become FSDP units (and the overlapped exchange's buckets)."""
-        return self.stage.find_blocks(module, self.block_classes, self.block_patterns, self.device_mesh["shard"].size(),
-                                      type(self).__name__)
-
     def _prepare(self, module: nn.Module, fitting: bool) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
         """The precision plugin's conversion, the blocks, activation checkpointing: the stage's module and blocks."""
         module = self.precision_plugin.convert_module(module)
-        blocks = self._find_blocks(module)
+        blocks = self.stage.find_blocks(module, self.block_classes, self.block_patterns,
+                                        self.device_mesh["shard"].size(), type(self).__name__)
         if fitting and self.activation_checkpointing:
             self.stage.checkpoint_blocks(blocks)
         return module, blocks
@@ -342,10 +311,11 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # Lightning's ``Strategy.backward``, with the inter-node average between the backward and
-        # ``on_after_backward`` (the precision plugin's ``post_backward``), so that hook sees averaged gradients as
-        # under ``ddp``.
-        irregular, untouched = self._before_backward(closure_loss)
+        # Lightning's ``Strategy.backward``, with the inter-node average before ``on_after_backward`` (the precision
+        # plugin's ``post_backward``), so that hook sees averaged gradients as under ``ddp``.
+        shard = self.device_mesh["shard"]  # units that did not run exactly once, and gradients to leave as they were
+        irregular, untouched = ([], []) if shard.size() == 1 else self.stage.before_backward(
+            closure_loss, shard.get_group(), self.root_device)
         step = self.averaged_step
         step.backward_start = time.perf_counter()
         module = self.lightning_module
@@ -370,12 +340,6 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _before_backward(self, closure_loss: torch.Tensor) -> tuple[list[str], list[nn.Parameter]]:
-        """:meth:`ShardedModel.before_backward`, at several devices per node."""
-        if self.device_mesh["shard"].size() == 1:
-            return [], []
-        return self.stage.before_backward(closure_loss, self.device_mesh["shard"].get_group(), self.root_device)
 
     @contextmanager
     @override
@@ -451,11 +415,8 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
         return None, self.world_size
 
     def replica_divergence(self) -> float:
-        """Collective: the largest absolute difference between any shard and its copy on node 0.
-
-        Every node holds a full copy of the model, split over its own devices; PowerSGD must leave the copies
-        of each shard identical (0.0), or the nodes are training different models.
-        """
+        """Collective: the largest absolute difference between any shard and its copy on node 0: 0.0 unless the
+        nodes train different models (every node holds a full copy, split over its own devices)."""
         assert self.lightning_module is not None
         return replica_divergence(self.lightning_module, self.device_mesh["replicate"], self.world_size)
 
@@ -465,9 +426,7 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
         are not part of a pickled strategy; the inter-node compressor drops its process groups itself."""
         state = super().__getstate__()
         state["_launcher"] = None
-        # without the last stage's sharded stand-ins: FSDP2 makes their classes per process, which pickle cannot
-        # name; the module holds the weights
-        state["stage"] = self.stage.pickled()
+        state["stage"] = self.stage.pickled()  # without the stand-ins, whose classes pickle cannot name
         return state
 
     @override
@@ -484,11 +443,51 @@ class ShardedPowerSGDStrategy(ShardedCheckpointing, DTensorCollectives, ShardedP
         super().on_train_end()
         self.inter_node.keep_figures()  # kept: a later trainer.validate() sets up a fresh compressor
 
+    # ------------------------------------------------------------------ checkpoints (io/strategy_checkpoints.py)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.checkpoints.module_state(self.lightning_module, self.stage.root)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.checkpoints.optimizer_state(self.lightning_module, self.stage.root, optimizer)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What each rank keeps of its own in a checkpoint besides the model, optimizer and buffers (the exchange's
+        state); a subclass adds its own keys."""
+        return self.inter_node.rank_state(OVERLAP_CHOICE_KEY)
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        self.inter_node.load_rank_state(state, OVERLAP_CHOICE_KEY)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
+        assert self.powersgd is not None and self.lightning_module is not None
+        path = self.broadcast(filepath)
+        with self.collective_failures.named("a checkpoint's write"):
+            self.checkpoints.save(checkpoint, path, module=self.lightning_module, root=self.stage.root, io=self.checkpoint_io,
+                                  ranks=Ranks(self.global_rank, self.world_size, self.barrier), rank_state=self._rank_state)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either form, or a ``ddp`` file (:meth:`StrategyCheckpoints.load`); then rank 0's buffers everywhere, as
+        every ``ddp`` rank loads its file."""
+        assert self.lightning_module is not None and self.powersgd is not None
+        path = self.broadcast(checkpoint_path)
+        loaded = self.checkpoints.load(path, weights_only, module=self.lightning_module, optimizers=self.optimizers,
+                                       io=self.checkpoint_io, ranks=Ranks(self.global_rank, self.world_size, self.barrier),
+                                       load_rank_state=self._load_rank_state)
+        self.buffer_broadcasts.share(self.lightning_module)
+        return loaded
+
     def exchange_figures(self) -> dict[str, float]:
-        """The last fit's gradient exchange, for a run's report: bytes this rank sent between nodes in the last
-        step, against the uncompressed gradient, and the wall time of the exchange per step (the inter-node
-        average, replicated parameters, unused-gradient flags), which against the step time is the share of the
-        step that is communication."""
+        """The last fit's gradient exchange, for a run's report: bytes this rank sent between nodes in the last step
+        against the uncompressed gradient, and the exchange's wall time per step (the share that is communication)."""
         return dict(self.inter_node.figures)
 
 
