@@ -25,7 +25,7 @@ from dalle_lightning_plugins.compression.exchange import ExchangeError, Overlapp
 from dalle_lightning_plugins.strategies.mesh import local_shard
 from dalle_lightning_plugins.compression.path_choice import OverlapChoice
 from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
-from dalle_lightning_plugins.compression.powersgd import PowerSGD, rank_for_compression
+from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD, rank_for_compression
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, UnscalingPrecision
 from dalle_lightning_plugins.compression.step_flags import agree_step_flags
 
@@ -95,7 +95,19 @@ class InterNodeReduction:
 
     def __init__(self, powersgd_kwargs: dict[str, Any], *, compression: float | None, overlap: bool | str,
                  bucket_cap_mb: float, uncompressed_patterns: Sequence[str]) -> None:
-        self.powersgd_kwargs = powersgd_kwargs
+        """``powersgd_kwargs["rank"]`` None: from ``compression``, else ``DEFAULT_RANK``; the options are checked
+        here, where they are used, each in one line naming the strategy's option."""
+        rank = powersgd_kwargs.get("rank")
+        if rank is not None and compression is not None:
+            raise ValueError(f"powersgd_rank={rank!r} and compression={compression!r} both given; "
+                             "set one: the rank, or the share of bytes to save from which the rank follows")
+        if compression is not None and not 0 < compression < 1:
+            raise ValueError(f"compression={compression!r}, expected a share of bytes saved between 0 and 1 (e.g. 0.86)")
+        if rank is not None and (not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"powersgd_rank={rank!r}, expected a positive integer")
+        if not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}, expected a non-negative size in MiB")
+        self.powersgd_kwargs = {**powersgd_kwargs, "rank": DEFAULT_RANK if rank is None else rank}
         self.compression, self.overlap, self.bucket_cap_mb = compression, overlap, bucket_cap_mb
         self.choice = OverlapChoice(overlap)  # which path each update takes (overlap="auto": timed)
         self.uncompressed_patterns = list(uncompressed_patterns)
@@ -107,6 +119,19 @@ class InterNodeReduction:
         self.global_rank, self.world_size, self.per_node = 0, 1, 1
         self._time = [0.0, 0]  # seconds in reduce() and its calls (after the first), for the figures
         self.figures: dict[str, float] = {}  # the last fit's, see ShardedPowerSGDStrategy.exchange_figures()
+
+    def rank_state(self, choice_key: str) -> dict[str, Any]:
+        """This rank's own state for a checkpoint: PowerSGD's (Q, error buffers, counters) and, under
+        ``choice_key``, ``overlap="auto"``'s schedule and decision."""
+        assert self.powersgd is not None
+        return {**self.powersgd.state_dict(), choice_key: self.choice.state_dict()}
+
+    def load_rank_state(self, state: dict[str, Any], choice_key: str) -> None:
+        assert self.powersgd is not None
+        choice = state.pop(choice_key, None)
+        self.powersgd.load_state_dict(state)
+        if choice is not None:
+            self.choice.load_state_dict(choice)
 
     def setup(self, mesh: DeviceMesh, global_rank: int, world_size: int, per_node: int, backend: str,
               timeout: timedelta | None) -> None:

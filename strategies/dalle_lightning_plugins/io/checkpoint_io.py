@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
@@ -88,3 +89,14 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
         return f"truncated or not a checkpoint ({exc})"
     return None
+
+
+def atomic_io(io: CheckpointIO | None) -> CheckpointIO:
+    """Unless one is given (``plugins=[...]``), checkpoint files are written by :class:`AtomicCheckpointIO`: a
+    temporary file beside the target, renamed over it, so an interrupted or failed save never leaves a truncated
+    ``last.ckpt`` for a resumed run to pick (Lightning's default writes in place)."""
+    if io is None:
+        return AtomicCheckpointIO()
+    if getattr(io, "checkpoint_io", False) is None:  # a wrapper (AsyncCheckpointIO) of nothing yet
+        io.checkpoint_io = AtomicCheckpointIO()  # type: ignore[attr-defined]
+    return io

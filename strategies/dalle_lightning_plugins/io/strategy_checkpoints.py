@@ -1,8 +1,9 @@
 """The checkpoints of :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`: one file as
 ``ddp`` writes it, or sharded DCP directories, with each rank's PowerSGD state and buffers, so a resumed run continues exactly.
 
-A mixin of the strategy (it uses the strategy's mesh, compressor and checkpoint IO): kept apart so that the
-strategy's module holds the Lightning glue of the step, and this one what goes to and comes from disk.
+A part the strategy holds (:class:`StrategyCheckpoints`), handed the module, its root, the optimizers, the checkpoint
+IO and the ranks at each call: the strategy's module holds the Lightning glue, and this one what goes to and comes
+from disk.
 
 * ``"full"``: the model and optimizers gathered whole on rank 0 (:mod:`dalle_lightning_plugins.io.full_checkpoint`),
   plus each rank's PowerSGD state and buffers in lists by rank; ``load_from_checkpoint`` reads it.
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
-from typing_extensions import override
 
-from dalle_lightning_plugins.io.checkpoint_io import AtomicCheckpointIO, PathLike
+from dalle_lightning_plugins.io.checkpoint_io import PathLike
 from dalle_lightning_plugins.io.dcp_checkpoint import (
     export_full_state_dict,
     is_sharded_checkpoint,
@@ -52,7 +52,6 @@ from dalle_lightning_plugins.io.dcp_checkpoint import (
 from dalle_lightning_plugins.io.dcp_reader import read_dcp_metadata
 from dalle_lightning_plugins.io.rank_state import from_legacy, join, split, template
 from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal
-from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
 from dalle_lightning_plugins.strategies.fsdp_wiring import from_plain, is_plain, to_plain
 from dalle_lightning_plugins.io.full_checkpoint import (
     gather_plain_to_rank0,
@@ -61,6 +60,9 @@ from dalle_lightning_plugins.io.full_checkpoint import (
     load_optimizer_state,
     optimizer_state_by_index,
 )
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 POWERSGD_KEY = "powersgd"
 OVERLAP_CHOICE_KEY = "overlap_choice"  # overlap="auto"'s schedule and decision, inside each rank's state
@@ -72,102 +74,66 @@ SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) sav
 RANK_BUFFERS_KEY = "rank_buffers"
 
 
-class ShardedCheckpointing:
-    """Save and load of the strategy's checkpoints (mixed into ``ShardedPowerSGDStrategy``)."""
+@dataclass(frozen=True)
+class Ranks:
+    """The process facts a checkpoint's collectives need, handed over by the strategy."""
 
-    checkpoint_format: str
-    powersgd: Any
-    inter_node: Any  # the strategy's InterNodeReduction (its overlap=auto choice is per-rank state too)
-    buffer_broadcasts: BufferBroadcasts  # rank 0's buffers to the ranks that share them, after a load
-    _checkpoint_io: CheckpointIO | None
-    _root: Any  # the strategy's sharded root, None before a sharded stage
-    _named_collective: Callable[[str], AbstractContextManager[None]]  # OneLineCollectiveFailures: a lost peer in one line
-    _whole_after_save = False  # see _sharded_for_checkpoint
+    global_rank: int
+    world_size: int
+    barrier: Callable[[str], None]
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Unless one is given (``plugins=[...]``), checkpoint files are written by :class:`AtomicCheckpointIO`: a
-        temporary file beside the target, renamed over it, so an interrupted or failed save never leaves a
-        truncated ``last.ckpt`` for a resumed run to pick (Lightning's default writes in place)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif getattr(self._checkpoint_io, "checkpoint_io", False) is None:  # a wrapper (AsyncCheckpointIO) of nothing yet
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # type: ignore[attr-defined]
-        return self._checkpoint_io
 
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
+class StrategyCheckpoints:
+    """Save and load of the strategy's checkpoints, a part the strategy holds and calls from Lightning's checkpoint
+    hooks. It owns the format and whether a save made a whole module sharded for the moment; the module, its sharded
+    root, the optimizers, the checkpoint IO, the ranks and each rank's own state are handed to each call."""
+
+    def __init__(self, checkpoint_format: str) -> None:
+        self.format = checkpoint_format
+        self._whole_after_save = False  # see _sharded_for_checkpoint
 
     @property
     def _full_checkpoints(self) -> bool:
-        return self.checkpoint_format == "full"
+        return self.format == "full"
 
-    def _sharded_for_checkpoint(self) -> None:
+    def _sharded_for_checkpoint(self, root: nn.Module | None) -> None:
         """A checkpoint of a module left whole after a stage (``full_weights_after``, e.g. ``trainer.save_checkpoint``
         after ``fit``) is made from its shards, which take the whole values again (no collective); the save that
         follows makes the module whole again, so the optimizer's (sharded) parameters are the module's meanwhile."""
-        root = self._root
         if root is not None and is_plain(root):
             from_plain(root)
             self._whole_after_save = True
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def module_state(self, module: nn.Module, root: nn.Module | None) -> dict[str, Any]:
         """The LightningModule's state dict: whole on rank 0 (``checkpoint_format="full"``) or sharded (DTensors)."""
-        assert self.lightning_module is not None
-        self._sharded_for_checkpoint()
+        self._sharded_for_checkpoint(root)
         if self._full_checkpoints:
-            return export_full_state_dict(self.lightning_module)
-        return get_model_state_dict(self.lightning_module)
+            return export_full_state_dict(module)
+        return get_model_state_dict(module)
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, module: nn.Module, root: nn.Module | None, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        assert self.lightning_module is not None
-        self._sharded_for_checkpoint()
+        self._sharded_for_checkpoint(root)
         if self._full_checkpoints:  # as ``optimizer.state_dict()`` under ddp, whole on rank 0
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return optimizer_state_by_index(get_optimizer_state_dict(self.lightning_module, optimizer, options=options))
-        return get_optimizer_state_dict(self.lightning_module, optimizer)
+            return optimizer_state_by_index(get_optimizer_state_dict(module, optimizer, options=options))
+        return get_optimizer_state_dict(module, optimizer)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the unsharded model state dict on CPU for single-device use (complete on rank 0 only)."""
-        assert self.lightning_module is not None
-        return export_full_state_dict(self.lightning_module)
-
-    def _rank_state(self) -> dict[str, Any]:
-        """What each rank keeps of its own in a checkpoint besides the model, optimizer and buffers: PowerSGD's
-        state (Q, error buffers, counters); a subclass adds its own keys."""
-        assert self.powersgd is not None
-        return {**self.powersgd.state_dict(), OVERLAP_CHOICE_KEY: self.inter_node.choice.state_dict()}
-
-    def _load_rank_state(self, state: dict[str, Any]) -> None:
-        assert self.powersgd is not None
-        choice = state.pop(OVERLAP_CHOICE_KEY, None)
-        self.powersgd.load_state_dict(state)
-        if choice is not None:
-            self.inter_node.choice.load_state_dict(choice)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
-        assert self.powersgd is not None
-        path = self.broadcast(filepath)
-        with self._named_collective("a checkpoint's write"):
-            self._save(checkpoint, path)
-            if self._whole_after_save:  # see _sharded_for_checkpoint
-                self._whole_after_save = False
-                to_plain(self._root)  # type: ignore[attr-defined]
-
-    def _save(self, checkpoint: dict[str, Any], path: PathLike) -> None:
-        """Collective: ``checkpoint`` to ``path`` in the strategy's format."""
+    def save(self, checkpoint: dict[str, Any], path: PathLike, *, module: nn.Module, root: nn.Module | None,
+             io: CheckpointIO, ranks: Ranks, rank_state: Callable[[], dict[str, Any]]) -> None:
+        """Collective: ``checkpoint`` to ``path`` in the strategy's format; ``rank_state`` gives this rank's own
+        state (PowerSGD's and what a subclass adds)."""
         if self._full_checkpoints:
-            self._save_full(checkpoint, path)
-            return
+            self._save_full(checkpoint, path, module, io, ranks, rank_state)
+        else:
+            self._save_sharded(checkpoint, path, module, ranks, rank_state)
+        if self._whole_after_save:  # see _sharded_for_checkpoint
+            self._whole_after_save = False
+            to_plain(root)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: PathLike, module: nn.Module, ranks: Ranks,
+                      rank_state: Callable[[], dict[str, Any]]) -> None:
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
@@ -178,87 +144,86 @@ class ShardedCheckpointing:
         checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
         # This rank's own state: its tensors in DCP under its own key, its plain values (with a place for each
         # tensor) in the metadata, a list by rank (rank 0 writes the metadata).
-        skeleton, tensors = split(self._rank_state(), "the strategy's per-rank state")
+        skeleton, tensors = split(rank_state(), "the strategy's per-rank state")
         if tensors:
-            state[rank_key(POWERSGD_KEY, self.global_rank)] = tensors
+            state[rank_key(POWERSGD_KEY, ranks.global_rank)] = tensors
         checkpoint[POWERSGD_KEY] = gather_plain_to_rank0(skeleton)
-        buffers = _own_buffers(self.lightning_module, state["state_dict"])
+        buffers = _own_buffers(module, state["state_dict"])
         checkpoint[RANK_BUFFERS_KEY] = sorted(buffers)
         if buffers:
-            state[rank_key(RANK_BUFFERS_KEY, self.global_rank)] = buffers
+            state[rank_key(RANK_BUFFERS_KEY, ranks.global_rank)] = buffers
         save_sharded(path, state, checkpoint)
 
-    def _save_full(self, checkpoint: dict[str, Any], path: PathLike) -> None:
+    def _save_full(self, checkpoint: dict[str, Any], path: PathLike, module: nn.Module, io: CheckpointIO,
+                   ranks: Ranks, rank_state: Callable[[], dict[str, Any]]) -> None:
         """Collective: one file as ``ddp`` writes it (model and optimizers whole, from rank 0), plus each rank's
         PowerSGD state and buffers in lists by global rank, so a resume on the same mesh continues exactly."""
-        assert self.powersgd is not None
         extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
         for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
             checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
         checkpoint[SHARDED_EXTRAS_KEY] = extras
-        checkpoint[POWERSGD_KEY] = gather_to_rank0(self._rank_state(), "the strategy's per-rank state")
-        assert self.lightning_module is not None  # the gathered state dict is empty off rank 0: names from the module
-        buffers = _own_buffers(self.lightning_module, self.lightning_module.state_dict())
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(rank_state(), "the strategy's per-rank state")
+        # the gathered state dict is empty off rank 0: names from the module
+        buffers = _own_buffers(module, module.state_dict())
         checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(buffers, "the rank's buffers")
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, path)
-        self.barrier("save_checkpoint")
+        if ranks.global_rank == 0:
+            io.save_checkpoint(checkpoint, path)
+        ranks.barrier("save_checkpoint")
 
-    @override
-    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    def load(self, path: PathLike, weights_only: bool | None, *, module: pl.LightningModule,
+             optimizers: list[Optimizer], io: CheckpointIO, ranks: Ranks,
+             load_rank_state: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s).
 
         ``weights_only`` as ``ddp`` takes it: passed on to ``torch.load`` unchanged, so None means torch's default
         (True since 2.6, or what ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). Lightning 2.6 passes
         ``Trainer.fit(weights_only=...)`` on only to strategies that restore before setup (``ddp``); this one, as its
         own FSDP and ModelParallel strategies, restores after setup and is called with None. A file that asks for
-        more than data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`)."""
-        assert self.lightning_module is not None and self.powersgd is not None
-        path = self.broadcast(checkpoint_path)
-        loaded = self._load_sharded(path, weights_only) if is_sharded_checkpoint(path) else self._load_full(path, weights_only)
-        self.buffer_broadcasts.share(self.lightning_module)  # rank 0's buffers everywhere, as ddp ranks load its file
-        return loaded
+        more than data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`).
+        ``load_rank_state`` takes this rank's own state back."""
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path, weights_only, module, optimizers, ranks, load_rank_state)
+        return self._load_full(path, weights_only, module, optimizers, io, ranks, load_rank_state)
 
-    def _load_full(self, path: PathLike, weights_only: bool | None) -> dict[str, Any]:
-        assert self.lightning_module is not None and self.powersgd is not None
-        module = self.lightning_module
+    def _load_full(self, path: PathLike, weights_only: bool | None, module: pl.LightningModule,
+                   optimizers: list[Optimizer], io: CheckpointIO, ranks: Ranks,
+                   load_rank_state: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         try:
-            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            checkpoint = io.load_checkpoint(path, weights_only=weights_only)
         except pickle.UnpicklingError as exc:  # torch's dozen lines, which do not name the file
             raise refusal(path, exc) from None
         options = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
         set_model_state_dict(module, checkpoint["state_dict"], options=options)
-        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         for opt, saved in zip(optimizers, checkpoint.get("optimizer_states", [])):
             load_optimizer_state(opt, saved)
         # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
         powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
-        rank = self.global_rank
-        if optimizers and isinstance(powersgd, list) and len(powersgd) == self.world_size:
-            self._load_rank_state(self._own_part(powersgd[rank], path, f"{POWERSGD_KEY}[{rank}]", weights_only))
-        if isinstance(buffers, list) and len(buffers) == self.world_size:
-            _copy_buffers(module, self._own_part(buffers[rank], path, f"{RANK_BUFFERS_KEY}[{rank}]", weights_only))
+        rank, world = ranks.global_rank, ranks.world_size
+        if optimizers and isinstance(powersgd, list) and len(powersgd) == world:
+            load_rank_state(_own_part(powersgd[rank], path, f"{POWERSGD_KEY}[{rank}]", weights_only, world))
+        if isinstance(buffers, list) and len(buffers) == world:
+            _copy_buffers(module, _own_part(buffers[rank], path, f"{RANK_BUFFERS_KEY}[{rank}]", weights_only, world))
         params = dict(module.named_parameters())
         for key in checkpoint.pop(SHARDED_EXTRAS_KEY, []):
             checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
         return checkpoint
 
-    def _load_sharded(self, path: PathLike, weights_only: bool | None) -> dict[str, Any]:
-        assert self.lightning_module is not None and self.powersgd is not None
-        module = self.lightning_module
+    def _load_sharded(self, path: PathLike, weights_only: bool | None, module: pl.LightningModule,
+                      optimizers: list[Optimizer], ranks: Ranks,
+                      load_rank_state: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        rank, world = ranks.global_rank, ranks.world_size
         # Read first on every rank, so that a directory that asks for more is refused before any collective.
         stored = read_dcp_metadata(path, trust=weights_only is False).state_dict_metadata
         saved = read_metadata(path, weights_only)
-        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        key, buffers_key = rank_key(POWERSGD_KEY, self.global_rank), rank_key(RANK_BUFFERS_KEY, self.global_rank)
+        key, buffers_key = rank_key(POWERSGD_KEY, rank), rank_key(RANK_BUFFERS_KEY, rank)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
         for idx, opt in enumerate(optimizers):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt)
         # Per-rank state: tensors under the rank's key and plain values in the metadata; or, as written before, one
         # byte string under the key (read as data); another world size's: none (fresh), as in a full checkpoint.
         skeletons = saved.pop(POWERSGD_KEY, None)
-        skeleton = skeletons[self.global_rank] if isinstance(skeletons, list) and len(skeletons) == self.world_size \
-            else None
+        skeleton = skeletons[rank] if isinstance(skeletons, list) and len(skeletons) == world else None
         legacy = key in stored
         tensors = template(skeleton) if skeleton is not None else {}
         if optimizers and legacy:
@@ -268,7 +233,7 @@ class ShardedCheckpointing:
         buffer_names = saved.pop(RANK_BUFFERS_KEY, None) or []
         if buffers_key in stored:
             state[buffers_key] = b""
-        elif buffer_names and skeletons is not None and len(skeletons) == self.world_size:
+        elif buffer_names and skeletons is not None and len(skeletons) == world:
             state[buffers_key] = {n: torch.empty_like(module.get_buffer(n), device="cpu") for n in buffer_names}
         extras = saved.get(SHARDED_EXTRAS_KEY, [])
         params = dict(module.named_parameters())
@@ -282,41 +247,32 @@ class ShardedCheckpointing:
             metadata[extra] = state[extra]
         set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
         if buffers_key in state:
-            _copy_buffers(module, self._own_part(state[buffers_key], path, f"key {buffers_key!r}", weights_only))
+            _copy_buffers(module, _own_part(state[buffers_key], path, f"key {buffers_key!r}", weights_only, world))
         for idx, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
         if optimizers and legacy:
-            self._load_rank_state(self._own_part(state[key], path, f"key {key!r}", weights_only))
+            load_rank_state(_own_part(state[key], path, f"key {key!r}", weights_only, world))
         elif optimizers and skeleton is not None:
-            self._load_rank_state(join(skeleton, state.get(key, {})))
+            load_rank_state(join(skeleton, state.get(key, {})))
         return metadata
 
-    def _own_part(self, value: Any, path: PathLike, part: str, weights_only: bool | None) -> Any:
-        """Collective: this rank's own state as stored (a byte string in a checkpoint written before it was kept as
-        tensors and plain values: read as data). A refusal on any rank is raised on every rank, which would
-        otherwise go on to wait for it in training's first collective."""
-        try:
-            value, error = from_legacy(value, path, part, weights_only), None
-        except CheckpointRefused as exc:
-            error = str(exc)
-        errors: list[str | None] = [error]
-        if dist.is_initialized() and self.world_size > 1:
-            errors = [None] * self.world_size
-            dist.all_gather_object(errors, error)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise CheckpointRefused(first)
-        return value
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # The sharded state was already loaded in load_checkpoint.
-        pass
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # The sharded state was already loaded in load_checkpoint.
-        pass
+def _own_part(value: Any, path: PathLike, part: str, weights_only: bool | None, world_size: int) -> Any:
+    """Collective: this rank's own state as stored (a byte string in a checkpoint written before it was kept as
+    tensors and plain values: read as data). A refusal on any rank is raised on every rank, which would
+    otherwise go on to wait for it in training's first collective."""
+    try:
+        value, error = from_legacy(value, path, part, weights_only), None
+    except CheckpointRefused as exc:
+        error = str(exc)
+    errors: list[str | None] = [error]
+    if dist.is_initialized() and world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointRefused(first)
+    return value
 
 
 def _own_buffers(module: nn.Module | None, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ also talks over every rank outside the exchange: ``ModelCheckpoint`` agrees on w
 (``reduce_boolean_decision``: an all-reduce and a barrier), metrics logged with ``sync_dist`` are reduced, the
 loops broadcast and wait at barriers. When the link goes down while a sync is on the wire (local steps with
 ``sync_delay``), the first collective to notice is often one of these, and it surfaced as gloo's bare
-``Application timeout caused pair closure``. :class:`OneLineCollectiveFailures` wraps them: same message shape,
+``Application timeout caused pair closure``. :class:`CollectiveFailures` wraps them: same message shape,
 naming the collective. Only a lost peer (``peer_loss.lost_peer``: by the error's type) becomes that line, a
 :class:`~dalle_lightning_plugins.environments.peer_loss.PeerLost`; any other error is a bug and passes through as it was.
 """
@@ -13,24 +13,26 @@ naming the collective. Only a lost peer (``peer_loss.lost_peer``: by the error's
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
-
 import torch.distributed as dist
-from typing_extensions import override
 
 from dalle_lightning_plugins.compression.exchange import ExchangeError
 from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
 
 
-class OneLineCollectiveFailures:
-    """Mixin before a Lightning ``ParallelStrategy`` with an ``inter_node`` (``InterNodeReduction``)."""
+class CollectiveFailures:
+    """Wraps a collective so that a lost peer ends the run in one line naming it (see the module). The strategy
+    holds one and enters :meth:`named` around Lightning's ``barrier``, ``reduce``, ``broadcast`` and its own writes.
 
-    inter_node: Any
+    ``failure`` words the line from the failed collective and the seconds it waited (the strategy's
+    ``InterNodeReduction.failure``, which names the nodes)."""
+
+    def __init__(self, failure: Callable[[ExchangeError, float], str]) -> None:
+        self.failure = failure
 
     @contextmanager
-    def _named_collective(self, what: str) -> Generator[None, None, None]:
+    def named(self, what: str) -> Generator[None, None, None]:
         start = time.perf_counter()
         try:
             yield
@@ -38,19 +40,4 @@ class OneLineCollectiveFailures:
             if isinstance(error, PeerLost) or not lost_peer(error):
                 raise  # already one of ours, or a bug (which keeps its type and traceback)
             failed = ExchangeError(what, error)
-            raise PeerLost(self.inter_node.failure(failed, time.perf_counter() - start)) from error
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._named_collective("Lightning's barrier"):
-            super().barrier(*args, **kwargs)  # type: ignore[misc]
-
-    @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        with self._named_collective("Lightning's reduce (a checkpoint's decision or a logged metric)"):
-            return super().reduce(*args, **kwargs)  # type: ignore[misc]
-
-    @override
-    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
-        with self._named_collective("Lightning's broadcast"):
-            return super().broadcast(*args, **kwargs)  # type: ignore[misc]
+            raise PeerLost(self.failure(failed, time.perf_counter() - start)) from error

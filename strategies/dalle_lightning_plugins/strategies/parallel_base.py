@@ -24,22 +24,27 @@ undone by :meth:`ShardedParallelStrategy.teardown`, through :meth:`ShardedParall
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import functools
+import os
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only as utils_rank_zero_only  # lightning_utilities' own
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from dalle_lightning_plugins import compat
+from dalle_lightning_plugins.io.checkpoint_io import atomic_io
+from dalle_lightning_plugins.io.dcp_checkpoint import export_full_state_dict
 from dalle_lightning_plugins.strategies.precision_choice import check_precision_plugin
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's and Lightning's default for a process group
@@ -124,6 +129,27 @@ class ShardedParallelStrategy(ParallelStrategy):
         compat.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                                     device_id=device_id)
 
+    def _start_processes(self, per_node: int) -> tuple[int, str]:
+        """The stage's processes, as every Lightning strategy starts them: this rank's device first
+        (``torch.cuda.set_device`` on CUDA, so ``devices=[2, 3]`` or an already initialised CUDA context cannot put
+        two ranks on one GPU), a share of the cores, the default process group. Returns the devices per node (a
+        world smaller than ``per_node``, the same code run on fewer devices, is one node of them, said in one line)
+        and the backend."""
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Lightning's launcher divides the cores among its processes only in the process that launches the
+            # others (after starting them): every other rank would run as many threads as there are cores. For the
+            # stage only: at its teardown the count is what it was, as ddp leaves it.
+            self.until_teardown(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
+        self._setup_distributed()
+        if self.world_size < per_node:
+            rank_zero_info(f"{type(self).__name__}(devices_per_node={per_node}) on a world of {self.world_size}: "
+                           f"one node of {self.world_size} device(s)")
+            per_node = self.world_size
+        return per_node, self._get_process_group_backend()
+
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
@@ -144,6 +170,30 @@ class ShardedParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Files written atomically unless a checkpoint IO is given (:func:`~dalle_lightning_plugins.io.checkpoint_io.atomic_io`)."""
+        self._checkpoint_io = atomic_io(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model state dict on CPU for single-device use (complete on rank 0 only)."""
+        assert self.lightning_module is not None
+        return export_full_state_dict(self.lightning_module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # restored after setup: the strategy's load_checkpoint loaded the model's state
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # restored after setup: the strategy's load_checkpoint loaded the optimizers' state
 
     @contextmanager
     @override

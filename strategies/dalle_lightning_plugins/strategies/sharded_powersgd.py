@@ -7,22 +7,18 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
   remaining parameters form the root unit; the next blocks are prefetched explicitly
   (:mod:`dalle_lightning_plugins.strategies.fsdp_wiring`, :mod:`dalle_lightning_plugins.strategies.prefetch`);
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
-  gradient with its replicas on the other nodes through :class:`~dalle_lightning_plugins.compression.powersgd.PowerSGD`
-  (not FSDP's HSDP all-reduce, which cannot be compressed), during the backward where it can:
-  :mod:`dalle_lightning_plugins.compression.inter_node` decides when, :mod:`dalle_lightning_plugins.compression.exchange` overlaps.
-  A non-finite gradient anywhere skips the optimizer step on every rank. A precision plugin that offers
-  ``unscale_and_flag(optimizer) -> bool`` and ``mark_nonfinite()``
-  (:class:`~dalle_lightning_plugins.precision.resblock_precision.ResblockScalingPrecision`) unscales the gradients
-  before PowerSGD and owns the skip decision;
-* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``: Lightning's loaders read it) or
-  sharded DCP directories (``"sharded"``), holding the model, the optimizer and each rank's PowerSGD state and
-  buffers, so a resumed run continues exactly (:mod:`dalle_lightning_plugins.io.strategy_checkpoints`);
+  gradient with its replicas on the other nodes through PowerSGD (not FSDP's HSDP all-reduce, which cannot be
+  compressed), during the backward where it can (:mod:`dalle_lightning_plugins.compression.inter_node`). A
+  non-finite gradient anywhere skips the optimizer step on every rank; a precision plugin with
+  ``unscale_and_flag(optimizer)`` and ``mark_nonfinite()`` unscales before PowerSGD and owns the skip decision;
+* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``) or sharded DCP directories
+  (``"sharded"``), with each rank's PowerSGD state and buffers (:mod:`dalle_lightning_plugins.io.strategy_checkpoints`);
 * after ``fit``, ``validate``, ``test`` and ``predict`` the module holds whole plain tensors, as ``ddp`` leaves it
-  (``full_weights_after``; :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`), sharded again by the next stage;
-* a LightningModule trains as under ``ddp``, behaviour by behaviour (``tests/test_strategy_conformance.py``,
-  ``docs/plugins.md``), or the strategy says in one line what it cannot do.
+  (``full_weights_after``, :mod:`dalle_lightning_plugins.strategies.whole_weights`), sharded again by the next stage;
+* a LightningModule trains as under ``ddp``, behaviour by behaviour, or the strategy says in one line what it cannot do.
 
-This module is Lightning's hook order: environment, setup, backward, optimizer step, teardown.
+This module is Lightning's hook order (environment, setup, backward, optimizer step, teardown), calling the parts
+the strategy holds.
 
 Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
 (after ``import dalle_lightning_plugins``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Two
@@ -34,7 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -52,23 +48,24 @@ from typing_extensions import override
 from dalle_lightning_plugins import compat
 
 from dalle_lightning_plugins.strategies import fsdp_wiring, stand_ins
-from dalle_lightning_plugins.strategies.collective_failures import OneLineCollectiveFailures
+from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
 from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
-from dalle_lightning_plugins.strategies.optimizer_step import AveragedOptimizerStep
+from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep
 from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
 from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, check_precision  # noqa: F401 (kept names)
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.compression.exchange import ExchangeError, OverlappedExchange
-from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
 from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
 from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried
-from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards, shard_averages
+from dalle_lightning_plugins.strategies.weight_averaging import shard_averages
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
-from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD
-from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, blocks_tied_outside, find_resblocks, resolve_block_class
-from dalle_lightning_plugins.io.strategy_checkpoints import ShardedCheckpointing
-from dalle_lightning_plugins.strategies.whole_weights import WholeWeightsAfterStage, refuse_whole_copy_callbacks
+from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD  # noqa: F401 (kept names)
+from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, resolve_block_class
+from dalle_lightning_plugins.io.checkpoint_io import PathLike
+from dalle_lightning_plugins.io.strategy_checkpoints import OVERLAP_CHOICE_KEY, Ranks, StrategyCheckpoints
+from dalle_lightning_plugins.strategies.stage_model import ShardedModel
+from dalle_lightning_plugins.strategies.whole_weights import WholeWeights, refuse_whole_copy_callbacks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,9 +74,13 @@ STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
 
 
-class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, AveragedOptimizerStep, OneLineCollectiveFailures,
-                              DTensorCollectives, ShardedParallelStrategy):
+class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
+
+    Composed of parts that own their state, each called from the Lightning hook that needs it: ``stage`` (the
+    sharded root, its stand-ins and originals, the blocks), ``whole_weights`` (``full_weights_after`` and the end
+    of a stage), ``inter_node`` (the exchange between nodes), ``averaged_step`` (the optimizer step around it),
+    ``collective_failures`` (a lost peer in one line), ``checkpoints`` (what goes to and comes from disk).
 
     Args:
         devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
@@ -163,11 +164,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
             raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
-        self.checkpoint_format = checkpoint_format
-        if not (full_weights_after is True or full_weights_after is False or full_weights_after == "auto"):
-            raise ValueError(f"full_weights_after={full_weights_after!r}, expected 'auto', True or False")
-        self.full_weights_after = full_weights_after
-        self._full_weights_decision: bool | None = None  # "auto"'s decision, made once
+        self.checkpoints = StrategyCheckpoints(checkpoint_format)
+        self.whole_weights = WholeWeights(full_weights_after, type(self).__name__)
         self.devices_per_node = devices_per_node
         self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
         self.block_patterns = list(block_patterns or ())
@@ -175,31 +173,15 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         self.prefetch_depth = prefetch_depth
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
-        if powersgd_rank is not None and compression is not None:
-            raise ValueError(f"powersgd_rank={powersgd_rank!r} and compression={compression!r} both given; "
-                             "set one: the rank, or the share of bytes to save from which the rank follows")
-        if compression is not None and not 0 < compression < 1:
-            raise ValueError(f"compression={compression!r}, expected a share of bytes saved between 0 and 1 (e.g. 0.86)")
-        if powersgd_rank is not None and (not isinstance(powersgd_rank, int) or powersgd_rank < 1):
-            raise ValueError(f"powersgd_rank={powersgd_rank!r}, expected a positive integer")
-        if not bucket_cap_mb >= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}, expected a non-negative size in MiB")
-        if powersgd_rank is None:
-            powersgd_rank = DEFAULT_RANK
         self.inter_node = InterNodeReduction(
             dict(rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
                  comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps),
             compression=compression, overlap=overlap, bucket_cap_mb=bucket_cap_mb,
             uncompressed_patterns=uncompressed_patterns)
-        self.block_names: list[str] = []
-        self._blocks: dict[str, nn.Module] = {}
-        self._root: ShardedRoot | None = None  # kept across fit -> validate: FSDP2 shards a module only once
-        self._checkpointing: ActivationCheckpointing | None = None  # the stage's blocks' wrappers (setup, teardown)
+        self.stage = ShardedModel()  # the sharded root, kept across fit -> validate: FSDP2 shards a module only once
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
-        self._reduced: bool | None = None  # the inter-node average's result when the backward ran it
-        self._backward_start = 0.0
-        self._overlapped = False  # the last synchronised backward took the overlapped path
-        self._averages_sharded = False  # this fit shards a WeightAveraging callback's copy
+        self.averaged_step = AveragedStep()
+        self.collective_failures = CollectiveFailures(self.inter_node.failure)
         self.buffer_broadcasts = BufferBroadcasts(self._buffer_scope, self.until_teardown)  # rank 0's, as ddp's
 
     @property
@@ -211,6 +193,33 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
     def _exchange(self) -> OverlappedExchange | None:
         return self.inter_node.exchange
 
+    @property  # the parts' state under the names callers, tests and benchmarks read on the strategy
+    def _root(self) -> ShardedRoot | None:
+        return self.stage.root
+
+    @property
+    def block_names(self) -> list[str]:
+        """The names of the blocks the last stage made FSDP units."""
+        return self.stage.block_names
+
+    @property
+    def full_weights_after(self) -> bool | str:
+        return self.whole_weights.full_weights_after
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.checkpoints.format
+
+    def _leave_weights_whole(self) -> None:
+        """The module after a stage (:meth:`WholeWeights.leave`); the strategy's model is what it leaves."""
+        module = self.lightning_module
+        if module is None:
+            return
+        model = self.whole_weights.leave(module, self.stage, self.device_mesh["shard"].size(), self.root_device,
+                                         self.num_processes)
+        if model is not None:
+            self.model = model
+
     # ------------------------------------------------------------------ environment and mesh
 
     @property
@@ -221,23 +230,7 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
 
     @override
     def setup_environment(self) -> None:
-        # As every Lightning strategy: select this rank's device first (``torch.cuda.set_device`` on CUDA), so
-        # ``devices=[2, 3]`` or an already initialised CUDA context cannot put two ranks on one GPU.
-        assert self.accelerator is not None
-        self.accelerator.setup_device(self.root_device)
-        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Lightning's launcher divides the cores among its processes only in the process that launches the
-            # others (after starting them): every other rank would run as many threads as there are cores. For the
-            # stage only: at its teardown the count is what it was, as ddp leaves it.
-            self.until_teardown(functools.partial(torch.set_num_threads, torch.get_num_threads()))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        self._setup_distributed()
-        backend = self._get_process_group_backend()
-        per_node = self.devices_per_node or self.num_processes
-        if self.world_size < per_node:  # the same code on fewer devices (a one-device debug run): one node of them
-            rank_zero_info(f"{type(self).__name__}(devices_per_node={per_node}) on a world of {self.world_size}: "
-                           f"one node of {self.world_size} device(s)")
-            per_node = self.world_size
+        per_node, backend = self._start_processes(self.devices_per_node or self.num_processes)
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
@@ -259,89 +252,44 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         assert self.lightning_module is not None
         module: nn.Module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._checkpointing = ActivationCheckpointing()  # this stage's, taken off at teardown
-        if self._root is not None and self._root.owner is not module:
-            self._root = None  # the last stage's was another module's
-        known: tuple[ShardedRoot, int] | None = carried(module, SHARDED_ROOT_ATTR)
+        self.stage.begin(module)  # this stage's activation checkpointing; the last stage's root if it is module's
         shard_size = self.device_mesh["shard"].size()
-        if known is not None:
-            # A module a full_weights_after=False stage left sharded (this Trainer's or an earlier one's): FSDP2
-            # shards a module only once, so its units are reused; they must be on a mesh of the same shape.
-            root, size = known
-            if size != shard_size:
-                raise ValueError(
-                    f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
-                    f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
-                )
-            module = self.precision_plugin.convert_module(module)
-            fsdp_wiring.reshard_all(root)
-            fsdp_wiring.hook_lightning_module(root)
-            blocks = self._find_blocks(module)
-            if fitting and self.activation_checkpointing:
-                self._checkpointing.apply(b for _, b in blocks)
-            self.model = self._root = root
+        if (known := carried(module, SHARDED_ROOT_ATTR)) is not None:  # left sharded by full_weights_after=False
+            self.model = self.stage.reuse(module, known, shard_size, functools.partial(self._prepare, fitting=fitting))
         else:
             self.model = self._shard(module, fitting)
             if self.model is not module:
-                self._root = self.model  # type: ignore[assignment]
+                self.stage.root = self.model  # type: ignore[assignment]
         # Lightning's WeightAveraging: its copy sharded as the module
-        self._averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module,
+        self.stage.averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module,
                                                                                                   self.until_teardown)
         if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
-            self.inter_node.attach(module, self.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
+            self.inter_node.attach(module, self.stage.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
-            stand_ins.remap_optimizers(self.optimizers, self._root)  # groups built before the stage: stand-ins'
+            stand_ins.remap_optimizers(self.optimizers, self.stage.root)  # groups built before the stage: stand-ins'
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _find_blocks(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The blocks that become FSDP units (and the overlapped exchange's buckets)."""
-        blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
-        tied = blocks_tied_outside(module, blocks) if self.device_mesh["shard"].size() > 1 else []
-        if tied:
-            rank_zero_info(f"{type(self).__name__}: {len(tied)} block(s) share weights with the rest of the model "
-                           f"(first: {tied[0]}), so they are sharded with it rather than as units of their own")
-            blocks = [(name, block) for name, block in blocks if name not in tied]
-        self.block_names = [name for name, _ in blocks]
-        self._blocks = dict(blocks)
-        return blocks
-
     def _prepare(self, module: nn.Module, fitting: bool) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
         """The precision plugin's conversion, the blocks, activation checkpointing: the stage's module and blocks."""
         module = self.precision_plugin.convert_module(module)
-        blocks = self._find_blocks(module)
+        blocks = self.stage.find_blocks(module, self.block_classes, self.block_patterns,
+                                        self.device_mesh["shard"].size(), type(self).__name__)
         if fitting and self.activation_checkpointing:
-            self._checkpointing.apply(b for _, b in blocks)
+            self.stage.checkpoint_blocks(blocks)
         return module, blocks
 
     def _shard(self, module: nn.Module, fitting: bool) -> nn.Module:
-        """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node
-        (the user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`);
-        the module itself, whole, at one device per node, and for validate, test and predict on a model that fits
-        whole (``full_weights_after``), as ``ddp`` runs them."""
-        shard_size = self.device_mesh["shard"].size()
-        if shard_size == 1 or not fitting and self._whole_stage(module, module.trainer.state.fn.value):
-            # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
-            # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
-            module, _ = self._prepare(module, fitting)
-            compat.materialize_meta_tensors(module, self.root_device)  # ``init_module(empty_init=True)``
-            module.to(self.root_device)
-            # every rank starts from rank 0's parameters and buffers, as ddp's wrapper does when it is made
-            fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
-            if shard_size > 1:
-                return module  # a stage without training, on whole weights: the module itself, as under ddp
-            return ShardedRoot(module, dict(module.named_children()))
-        # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
-        root = fsdp_wiring.shard_stand_ins(
-            module, functools.partial(self._prepare, fitting=fitting), self.device_mesh["shard"], self.root_device,
-            mp_policy=self.mp_policy, reshard_after_forward=self.reshard_after_forward,
-            prefetch_depth=self.prefetch_depth)
-        fsdp_wiring.broadcast_replicas(module, self.device_mesh["replicate"], self.world_size)
-        load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
-        return root
+        """The stage's model (:meth:`ShardedModel.build`): whole at one device per node, and for validate, test and
+        predict on a model that fits whole (``full_weights_after``), as ``ddp`` runs them; else FSDP2 units."""
+        whole = not fitting and self.device_mesh["shard"].size() > 1 and self.whole_weights.whole_stage(
+            module, module.trainer.state.fn.value, self.root_device, self.num_processes)
+        return self.stage.build(module, functools.partial(self._prepare, fitting=fitting), self.device_mesh,
+                                self.root_device, self.world_size, whole=whole, mp_policy=self.mp_policy,
+                                reshard_after_forward=self.reshard_after_forward, prefetch_depth=self.prefetch_depth)
 
     @contextmanager
     def full_parameters(self) -> Generator[None, None, None]:
@@ -363,18 +311,20 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # Lightning's ``Strategy.backward``, with the inter-node average between the backward and
-        # ``on_after_backward`` (the precision plugin's ``post_backward``), so that hook sees averaged gradients as
-        # under ``ddp``.
-        irregular, untouched = self._before_backward(closure_loss)
-        self._backward_start = time.perf_counter()
+        # Lightning's ``Strategy.backward``, with the inter-node average before ``on_after_backward`` (the precision
+        # plugin's ``post_backward``), so that hook sees averaged gradients as under ``ddp``.
+        shard = self.device_mesh["shard"]  # units that did not run exactly once, and gradients to leave as they were
+        irregular, untouched = ([], []) if shard.size() == 1 else self.stage.before_backward(
+            closure_loss, shard.get_group(), self.root_device)
+        step = self.averaged_step
+        step.backward_start = time.perf_counter()
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         path = self._exchange_path(every_unit_ran_once=not irregular)
         if self._synchronised_step:
-            self._overlapped = path is ExchangePath.OVERLAPPED
+            step.overlapped = path is ExchangePath.OVERLAPPED
         if self._exchange is not None:
             precision = self.precision_plugin
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
@@ -382,35 +332,14 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         try:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         except ExchangeError as error:  # a bucket's collective, issued from a gradient hook, failed
-            raise RuntimeError(self.inter_node.failure(error, time.perf_counter() - self._backward_start)) from error
+            raise RuntimeError(self.inter_node.failure(error, time.perf_counter() - step.backward_start)) from error
         for p in untouched:
             p.grad = None
         if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD):
-            self._reduced = self.reduce_gradients()
+            step.reduced = self.reduce_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _before_backward(self, closure_loss: torch.Tensor) -> tuple[list[str], list[nn.Parameter]]:
-        """Checks and hooks a node of several devices needs before its backward; returns the units that did not
-        run exactly once (none, or several times) and the parameters whose gradients must stay as they were
-        (those of units no rank ran, where they had none)."""
-        if self.device_mesh["shard"].size() == 1:
-            return [], []
-        assert self._root is not None
-        idle, repeated = fsdp_wiring.check_units_ran(self._root, self.block_names, self.device_mesh["shard"].get_group(),
-                                           self.root_device)
-        # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
-        # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
-        # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
-        untouched = [p for name in idle for p in self._blocks[name].parameters() if p.grad is None]
-        if self._root.gathered_outside:
-            # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
-            # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
-            # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
-            self._root.gathered_outside = False
-            compat.register_root_pre_backward(self._root, closure_loss)
-        return idle + repeated, untouched
 
     @contextmanager
     @override
@@ -430,21 +359,55 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
             self._synchronised_step = True
 
     @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        output = self.averaged_step.step(optimizer, closure, model, precision=self.precision_plugin,
+                                         module=self.lightning_module, base_step=super().optimizer_step,
+                                         reduce=self.reduce_gradients, **kwargs)
+        if self._exchange is not None:  # overlap="auto": every update's time, for the choice of path
+            self.inter_node.choice.record(time.perf_counter() - start, self.averaged_step.overlapped, self.root_device)
+        return output
+
+    def reduce_gradients(self) -> bool:
+        """Average every gradient shard over the nodes, once per update; False: every rank skips the step."""
+        assert self.lightning_module is not None
+        ok = self.inter_node.reduce(self.lightning_module, self.root_device, since=self.averaged_step.backward_start)
+        self.inter_node.log_stats(self.lightning_module.trainer)
+        return ok
+
+    # Lightning's own collectives: a lost peer in one line naming the collective (collective_failures)
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self.collective_failures.named("Lightning's barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        with self.collective_failures.named("Lightning's reduce (a checkpoint's decision or a logged metric)"):
+            return super().reduce(*args, **kwargs)
+
+    @override
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        with self.collective_failures.named("Lightning's broadcast"):
+            return super().broadcast(*args, **kwargs)
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # ddp's wrapper runs it only while fitting
             self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step)
         output = super().validation_step(*args, **kwargs)
-        if self._averages_sharded and self._root is not None:
+        if self.stage.averages_sharded and self.stage.root is not None:
             # WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root
             # unit, which a forward without backward leaves gathered, goes back to its shards after each step
-            fsdp_wiring.reshard_all(self._root)
+            fsdp_wiring.reshard_all(self.stage.root)
         return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step)  # as ddp's wrapper
-        if self._root is not None:
-            self._root.units_ran.clear()  # forwards outside training (validation) do not count
+        if self.stage.root is not None:
+            self.stage.root.units_ran.clear()  # forwards outside training (validation) do not count
         return super().training_step(*args, **kwargs)
 
     def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
@@ -452,11 +415,8 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         return None, self.world_size
 
     def replica_divergence(self) -> float:
-        """Collective: the largest absolute difference between any shard and its copy on node 0.
-
-        Every node holds a full copy of the model, split over its own devices; PowerSGD must leave the copies
-        of each shard identical (0.0), or the nodes are training different models.
-        """
+        """Collective: the largest absolute difference between any shard and its copy on node 0: 0.0 unless the
+        nodes train different models (every node holds a full copy, split over its own devices)."""
         assert self.lightning_module is not None
         return replica_divergence(self.lightning_module, self.device_mesh["replicate"], self.world_size)
 
@@ -466,14 +426,14 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         are not part of a pickled strategy; the inter-node compressor drops its process groups itself."""
         state = super().__getstate__()
         state["_launcher"] = None
+        state["stage"] = self.stage.pickled()  # without the stand-ins, whose classes pickle cannot name
         return state
 
     @override
     def teardown(self) -> None:
         try:
             self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
-            if self._checkpointing is not None:
-                self._checkpointing.remove()  # the blocks' own forward again
+            self.stage.remove_checkpointing()  # the blocks' own forward again
             self._leave_weights_whole()
         finally:
             super().teardown()  # the stage's own installs are undone even if the weights could not be made whole
@@ -483,11 +443,51 @@ class ShardedPowerSGDStrategy(WholeWeightsAfterStage, ShardedCheckpointing, Aver
         super().on_train_end()
         self.inter_node.keep_figures()  # kept: a later trainer.validate() sets up a fresh compressor
 
+    # ------------------------------------------------------------------ checkpoints (io/strategy_checkpoints.py)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.checkpoints.module_state(self.lightning_module, self.stage.root)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.checkpoints.optimizer_state(self.lightning_module, self.stage.root, optimizer)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What each rank keeps of its own in a checkpoint besides the model, optimizer and buffers (the exchange's
+        state); a subclass adds its own keys."""
+        return self.inter_node.rank_state(OVERLAP_CHOICE_KEY)
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        self.inter_node.load_rank_state(state, OVERLAP_CHOICE_KEY)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; got {storage_options!r}")
+        assert self.powersgd is not None and self.lightning_module is not None
+        path = self.broadcast(filepath)
+        with self.collective_failures.named("a checkpoint's write"):
+            self.checkpoints.save(checkpoint, path, module=self.lightning_module, root=self.stage.root, io=self.checkpoint_io,
+                                  ranks=Ranks(self.global_rank, self.world_size, self.barrier), rank_state=self._rank_state)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either form, or a ``ddp`` file (:meth:`StrategyCheckpoints.load`); then rank 0's buffers everywhere, as
+        every ``ddp`` rank loads its file."""
+        assert self.lightning_module is not None and self.powersgd is not None
+        path = self.broadcast(checkpoint_path)
+        loaded = self.checkpoints.load(path, weights_only, module=self.lightning_module, optimizers=self.optimizers,
+                                       io=self.checkpoint_io, ranks=Ranks(self.global_rank, self.world_size, self.barrier),
+                                       load_rank_state=self._load_rank_state)
+        self.buffer_broadcasts.share(self.lightning_module)
+        return loaded
+
     def exchange_figures(self) -> dict[str, float]:
-        """The last fit's gradient exchange, for a run's report: bytes this rank sent between nodes in the last
-        step, against the uncompressed gradient, and the wall time of the exchange per step (the inter-node
-        average, replicated parameters, unused-gradient flags), which against the step time is the share of the
-        step that is communication."""
+        """The last fit's gradient exchange, for a run's report: bytes this rank sent between nodes in the last step
+        against the uncompressed gradient, and the exchange's wall time per step (the share that is communication)."""
         return dict(self.inter_node.figures)
 
 

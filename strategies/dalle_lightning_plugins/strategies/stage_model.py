@@ -1,0 +1,139 @@
+"""The stage's model of :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`: the
+sharded root with its stand-ins and the user's originals (:mod:`~dalle_lightning_plugins.strategies.fsdp_wiring`,
+:mod:`~dalle_lightning_plugins.strategies.stand_ins`), the blocks that became FSDP units and their names, and the
+activation-checkpointing wrappers the stage put on them.
+
+One object owns them so that the strategy's other parts (whole weights, checkpoints, the step) are handed what they
+need instead of reading each other's attributes, and so that a pickled strategy drops exactly the per-process part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from dalle_lightning_plugins import compat
+from dalle_lightning_plugins.protocol import blocks_tied_outside, find_resblocks
+from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
+from dalle_lightning_plugins.strategies.fsdp_wiring import ShardedRoot
+from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
+
+
+class ShardedModel:
+    """The sharded root (kept across fit -> validate: FSDP2 shards a module only once), its blocks, their names, and
+    this stage's activation checkpointing."""
+
+    def __init__(self) -> None:
+        self.root: ShardedRoot | None = None
+        self.blocks: dict[str, nn.Module] = {}
+        self.block_names: list[str] = []
+        self.checkpointing: ActivationCheckpointing | None = None  # the stage's blocks' wrappers (setup, teardown)
+        self.averages_sharded = False  # this fit shards a WeightAveraging callback's copy
+
+    def begin(self, module: nn.Module) -> None:
+        """A new stage on ``module``: fresh activation checkpointing; the last stage's root only if it is this
+        module's."""
+        self.checkpointing = ActivationCheckpointing()
+        if self.root is not None and self.root.owner is not module:
+            self.root = None
+
+    def find_blocks(self, module: nn.Module, block_classes: Sequence[type[nn.Module]], block_patterns: Sequence[str],
+                    shard_size: int, owner: str) -> list[tuple[str, nn.Module]]:
+        """The blocks that become FSDP units (and the overlapped exchange's buckets): the configured classes and
+        patterns, else the model's ``resblocks()``; blocks that share weights with the rest of the model are sharded
+        with it, said in one line naming ``owner``."""
+        blocks = find_resblocks(module, list(block_classes) or None, list(block_patterns) or None)
+        tied = blocks_tied_outside(module, blocks) if shard_size > 1 else []
+        if tied:
+            rank_zero_info(f"{owner}: {len(tied)} block(s) share weights with the rest of the model "
+                           f"(first: {tied[0]}), so they are sharded with it rather than as units of their own")
+            blocks = [(name, block) for name, block in blocks if name not in tied]
+        self.block_names = [name for name, _ in blocks]
+        self.blocks = dict(blocks)
+        return blocks
+
+    def checkpoint_blocks(self, blocks: list[tuple[str, nn.Module]]) -> None:
+        """Recompute these blocks' activations in backward, for this stage."""
+        assert self.checkpointing is not None
+        self.checkpointing.apply(b for _, b in blocks)
+
+    def remove_checkpointing(self) -> None:
+        """The blocks' own forward again (teardown)."""
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
+
+    def reuse(self, module: nn.Module, known: tuple[ShardedRoot, int], shard_size: int,
+              prepare: Callable[[nn.Module], tuple[nn.Module, list[tuple[str, nn.Module]]]]) -> ShardedRoot:
+        """The root a ``full_weights_after=False`` stage left on ``module`` (this Trainer's or an earlier one's):
+        FSDP2 shards a module only once, so its units are reused; they must be on a mesh of the same shape."""
+        root, size = known
+        if size != shard_size:
+            raise ValueError(
+                f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
+                f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
+            )
+        prepare(module)  # the precision plugin's conversion, the blocks, activation checkpointing
+        fsdp_wiring.reshard_all(root)
+        fsdp_wiring.hook_lightning_module(root)
+        self.root = root
+        return root
+
+    def build(self, module: nn.Module, prepare: Callable[[nn.Module], tuple[nn.Module, list[tuple[str, nn.Module]]]],
+              mesh: DeviceMesh, root_device: torch.device, world_size: int, *, whole: bool,
+              mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool, prefetch_depth: int) -> nn.Module:
+        """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node (the
+        user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`);
+        the module itself, whole, at one device per node or when ``whole`` (a stage without training on whole
+        weights). ``prepare`` is the precision plugin's conversion, the blocks and activation checkpointing."""
+        shard_size = mesh["shard"].size()
+        if shard_size == 1 or whole:
+            # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
+            # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
+            module, _ = prepare(module)
+            compat.materialize_meta_tensors(module, root_device)  # ``init_module(empty_init=True)``
+            module.to(root_device)
+            # every rank starts from rank 0's parameters and buffers, as ddp's wrapper does when it is made
+            fsdp_wiring.broadcast_replicas(module, mesh["replicate"], world_size)
+            if shard_size > 1:
+                return module  # a stage without training, on whole weights: the module itself, as under ddp
+            return ShardedRoot(module, dict(module.named_children()))
+        # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
+        root = fsdp_wiring.shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=mp_policy,
+                                           reshard_after_forward=reshard_after_forward, prefetch_depth=prefetch_depth)
+        fsdp_wiring.broadcast_replicas(module, mesh["replicate"], world_size)
+        load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
+        return root
+
+    def before_backward(self, closure_loss: torch.Tensor, shard_group: dist.ProcessGroup,
+                        root_device: torch.device) -> tuple[list[str], list[nn.Parameter]]:
+        """Checks and hooks a node of several devices needs before its backward; returns the units that did not
+        run exactly once (none, or several times) and the parameters whose gradients must stay as they were
+        (those of units no rank ran, where they had none)."""
+        root = self.root
+        assert root is not None
+        idle, repeated = fsdp_wiring.check_units_ran(root, self.block_names, shard_group, root_device)
+        # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
+        # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
+        # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
+        untouched = [p for name in idle for p in self.blocks[name].parameters() if p.grad is None]
+        if root.gathered_outside:
+            # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
+            # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
+            # reduce-scattered. The root's own pre-backward hook on the loss queues that reduction.
+            root.gathered_outside = False
+            compat.register_root_pre_backward(root, closure_loss)
+        return idle + repeated, untouched
+
+    def pickled(self) -> ShardedModel:
+        """What a pickled strategy keeps: the block names, without the stand-ins (FSDP2 makes
+        their classes per process, which pickle cannot name) or the stage's wrappers."""
+        kept = ShardedModel()
+        kept.block_names = list(self.block_names)
+        return kept
