@@ -215,8 +215,9 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         module = self.lightning_module
         if module is None:
             return
-        model = self.whole_weights.leave(module, self.stage, self.device_mesh["shard"].size(), self.root_device,
-                                         self.num_processes)
+        # no mesh: setup_environment failed (a bad devices_per_node), nothing was sharded; the module ends as ddp's
+        shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()
+        model = self.whole_weights.leave(module, self.stage, shard_size, self.root_device, self.num_processes)
         if model is not None:
             self.model = model
 
