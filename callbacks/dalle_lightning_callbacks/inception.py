@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from dalle_lightning_plugins.environments.elastic import environment
+
 INCEPTION = "inception"  # the name of this feature space in metric names (``val/fid_inception``)
 
 
@@ -87,14 +89,5 @@ def weights_only_loads() -> Iterator[None]:
     """Every ``torch.load`` inside reads as data (``weights_only=True``), even one that asks for ``False``
     (torch-fidelity's): torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, read at each call; the environment is put back
     after. ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, which torch refuses beside it, is lifted for the duration."""
-    saved = {name: os.environ.get(name) for name in (FORCE_ENV, NO_FORCE_ENV)}
-    os.environ[FORCE_ENV] = "1"
-    os.environ.pop(NO_FORCE_ENV, None)
-    try:
+    with environment({FORCE_ENV: "1", NO_FORCE_ENV: None}):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -109,11 +109,15 @@ def init_default_group(strategy: Any) -> bool:
 
 
 @contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` holds ``values`` for the duration, then what it held before (a variable that was unset is
-    removed again)."""
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """``os.environ`` holds ``values`` for the duration (None: the variable unset), then what it held before (a
+    variable that was unset is removed again)."""
     before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
