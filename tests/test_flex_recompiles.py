@@ -10,6 +10,7 @@ validation runs forward and backward. A run that would exceed dynamo's limit fai
 from __future__ import annotations
 
 import logging
+from typing import Any
 import warnings
 
 import pytest
@@ -115,6 +116,29 @@ def test_a_cpu_without_avx512_runs_the_eager_kernel_said_once(monkeypatch: pytes
     lines = [r.getMessage() for r in caplog.records if "eager kernel on this CPU" in r.getMessage()]
     assert len(lines) == 1 and "(AVX2, no AVX-512)" in lines[0], lines
     assert "flex_attention" not in recompiles.graphs_per_region()  # the project's compiled kernel never ran
+
+
+def test_a_compiled_region_on_a_cpu_without_avx512_keeps_flex_out_of_its_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled model (the prior's ``compile=True``) on such a CPU: FlexAttention runs the eager kernel outside the
+    graph (dense attention's values), never traced into it, where it would become the compiled CPU kernel."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(flex, "_CPU_EAGER_SAID", [True])
+    torch._dynamo.reset()
+    layout = AttentionLayout("conv", 8, 8, 8)
+    q, k, v = torch.randn(3, 2, 3, 72, 16).unbind(0)
+    mask = flex_block_mask(layout, 72, q.device)
+    traced: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    region = torch.compile(lambda q, k, v: compiled_flex(q * 1.0, k, v, mask) + 0.0, backend=recording)
+    with torch.no_grad():
+        torch.testing.assert_close(region(q, k, v), dense_attention(q, k, v, layout), atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+    assert traced, "the region was compiled"
+    assert not [t for t in traced if "flex" in t], traced
 
 
 @pytest.mark.cuda

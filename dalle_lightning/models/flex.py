@@ -89,17 +89,24 @@ def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
     it goes through one ``torch.compile`` of ``flex_attention`` with the batch dimension dynamic, counted and
     limited as :mod:`dalle_lightning.models.recompiles` says. Should the compile fail, this call and every later
     one run ``flex_attention`` eagerly (it writes out the score matrix), with one line."""
+    if q.device.type == "cpu" and not cpu_flex_compiles():
+        return _cpu_eager_flex(q, k, v, block_mask)  # a compiled region (the prior's compile=True) too
     if torch.compiler.is_compiling():
         return torch_flex_attention(q, k, v, block_mask=block_mask)
-    if q.device.type == "cpu" and not cpu_flex_compiles():
-        if not _CPU_EAGER_SAID:
-            _CPU_EAGER_SAID.append(True)
-            log.warning("FlexAttention runs its eager kernel on this CPU (%s, no AVX-512): torch's compiled CPU kernel "
-                        "gives wrong values there; model.attn_impl=sparse is the fast kernel on a CPU",
-                        torch.backends.cpu.get_cpu_capability())
-        return _eager_flex(q, k, v, block_mask)
     return _FLEX_PATH.run(lambda: _COMPILED_FLEX(q, k, v, block_mask=block_mask),
                           lambda: _eager_flex(q, k, v, block_mask))
+
+
+@torch.compiler.disable
+def _cpu_eager_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """The eager kernel where the compiled CPU one is wrong (:func:`cpu_flex_compiles`), said once. Kept out of any
+    compiled graph: traced into one (a compiled prior), FlexAttention would become the compiled CPU kernel."""
+    if not _CPU_EAGER_SAID:
+        _CPU_EAGER_SAID.append(True)
+        log.warning("FlexAttention runs its eager kernel on this CPU (%s, no AVX-512): torch's compiled CPU kernel "
+                    "gives wrong values there; model.attn_impl=sparse is the fast kernel on a CPU",
+                    torch.backends.cpu.get_cpu_capability())
+    return _eager_flex(q, k, v, block_mask)
 
 
 def _eager_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
