@@ -30,8 +30,8 @@ the others (a name that is not a row is ignored there). A row that raises prints
 (the traceback goes to stderr) and the rows after it still run; the exit status is then 1.
 
 ``python benchmarks/gpu.py --all [--smoke] [--out-dir DIR]`` is the whole GPU check (``benchmarks/_gpu_check.py``):
-the CUDA tests, these training rows, the sampling rows and the demo, each in its own subprocess and time budget,
-into one JSON summary with every target of the GPU issues.
+the CUDA tests, these training rows, the sampling rows, ``memory.py --device cuda``'s rows and the demo, each in its
+own subprocess and time budget, into one JSON summary with every target of the GPU issues.
 """
 
 from __future__ import annotations

@@ -3,14 +3,17 @@ time budget, into one summary; a step that fails leaves the others to run.
 
 On the CPU the check runs with ``--smoke`` (tiny shapes; the CUDA tests are collected and skipped). Here the demo
 step is given half a second, so it is killed, as a hung step on a GPU would be, and the summary must record it with
-its last lines while the three other steps run to their end. The targets are read from made-up figures in a unit
-test, so their comparisons are checked without a GPU.
+its last lines while the four other steps run to their end (the memory step as on one GPU: a world of 1, so
+``devices_per_node=2`` is reported as skipped). The targets are read from made-up figures in a unit test, so their
+comparisons are checked without a GPU. Without CUDA (``CUDA_VISIBLE_DEVICES=""`` hides any GPU), the memory step
+is skipped in one line and fails nothing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +32,15 @@ def gpu_check():  # type: ignore[no-untyped-def]
 def test_a_killed_step_leaves_the_others_run_and_the_summary_says_so(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--all", "--smoke", "--out-dir", str(out),
-                           "--demo-dir", str(tmp_path / "demo"), "--budget", "demo=0.5", "--training-rows", *TWO_ROWS],
+                           "--demo-dir", str(tmp_path / "demo"), "--budget", "demo=0.5", "--training-rows", *TWO_ROWS,
+                           "--memory-rows", "dpn1", "dpn2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # a step failed: exit 1
     last = json.loads(done.stdout.splitlines()[-1])
     assert last["failed_steps"] == ["demo"], (last, done.stdout[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     assert last["summary"] == str(out / "summary.json")
-    assert list(summary["steps"]) == ["cuda_tests", "training", "sampling", "demo"]
+    assert list(summary["steps"]) == ["cuda_tests", "training", "sampling", "memory", "demo"]
     for name, step in summary["steps"].items():
         assert {"status", "returncode", "seconds", "budget_s", "command", "log"} <= set(step)
         assert Path(step["log"]) == out / f"{name}.log" and Path(step["log"]).is_file()
@@ -44,7 +48,7 @@ def test_a_killed_step_leaves_the_others_run_and_the_summary_says_so(tmp_path: P
     assert demo["status"] == "timed_out" and demo["budget_s"] == 0.5
     assert "killed: over its budget" in demo["tail"][-1] and demo["tail"][0].startswith("$ sh -c ")
     assert summary["figures"]["demo"]["wall_s"] is None  # killed under 180 s: not a measured wall time
-    for name in ("cuda_tests", "training", "sampling"):
+    for name in ("cuda_tests", "training", "sampling", "memory"):
         assert summary["steps"][name]["status"] == "ok", summary["steps"][name].get("tail")
     assert summary["smoke"] and summary["strict_fast_paths"] and not summary["targets_judged"]
     assert summary["all_targets_met"] is None
@@ -60,6 +64,14 @@ def test_a_killed_step_leaves_the_others_run_and_the_summary_says_so(tmp_path: P
     assert training["last_line"]["recompile_limit_messages"] == [] and training["last_line"]["failed_rows"] == []
     sampled = summary["figures"]["sampling"]["rows"]
     assert list(sampled) == ["sample_tiny_b4_eager"] and sampled["sample_tiny_b4_eager"]["images_per_s"] > 0
+    memory = summary["figures"]["memory"]
+    assert memory["world"] == 1 and memory["device"] == "cpu" and memory["errors"] == {}
+    assert list(memory["rows"]) == ["dpn1", "dpn2"]
+    assert memory["rows"]["dpn2"] == {"skipped": "devices_per_node 2 does not divide the world of 1"}
+    dpn1 = memory["rows"]["dpn1"]
+    assert dpn1["P_bytes"] == 4 * 2 * (64 * 64 + 64)  # two Linear(64, 64): the model's fp32 bytes
+    assert len(dpn1["steps"]) == len(dpn1["fit_bytes"]) == 1 and dpn1["whole_after"]
+    assert 0 < dpn1["steps_bytes"][0] <= dpn1["fit_bytes"][0] and 0 < dpn1["steps"][0] <= dpn1["fit"][0]
     names = [t["target"] for t in summary["targets"]]
     assert "plugin_over_lightning[prior_353M_flex_bf16_eager]" in names and "demo_wall_s" in names
     for t in summary["targets"]:
@@ -126,3 +138,32 @@ def test_the_cuda_tests_are_found_by_their_markers() -> None:
                  "test_flex_recompiles.py", "test_exchange_cuda.py"):
         assert f"tests/{name}" in files
     assert "tests/test_gpu_check.py" not in files and "tests/test_prior.py" not in files
+
+
+def test_without_cuda_the_memory_step_is_skipped_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "benchmarks/gpu.py", "--all", "--only", "memory", "--out-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1])["failed_steps"] == []
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"]["memory"]["status"] == "skipped"
+    assert summary["figures"]["memory"]["skipped"].startswith("no CUDA device")
+    assert summary["figures"]["memory"]["rows"] == {}
+    said = (tmp_path / "memory.log").read_text().splitlines()
+    assert said[0].startswith("$ ") and len(said) == 2 and "no CUDA device" in said[1]  # the command, then one line
+    assert "[gpu_check] memory: skipped in" in done.stdout
+
+
+def test_the_memory_figures_are_each_rank_s_peak_or_why_not() -> None:
+    check = gpu_check()
+    lines = [{"row": "ddp", "steps": [5.1, 5.1], "steps_bytes": [580000000, 580000000]},
+             {"row": "dpn2", "error": "RuntimeError: NCCL error"},
+             {"model": "12 x Linear(1536, 1536) + ReLU, Adam", "device": "cuda", "world": 2,
+              "measure": "torch.cuda.max_memory_allocated after reset_peak_memory_stats", "rows": {}}]
+    figures = check.figures_of("memory", "noise\n" + "\n".join(json.dumps(line) for line in lines), ROOT)
+    assert figures["rows"] == {"ddp": {"steps": [5.1, 5.1], "steps_bytes": [580000000, 580000000]},
+                               "dpn2": {"error": "RuntimeError: NCCL error"}}
+    assert figures["errors"] == {"dpn2": "RuntimeError: NCCL error"}
+    assert figures["world"] == 2 and figures["measure"].startswith("torch.cuda.max_memory_allocated")
+    assert "skipped" not in figures
