@@ -507,3 +507,20 @@ def test_averaged_model_is_the_weight_averaging_callbacks_copy() -> None:
     assert isinstance(averaged, AveragedModel) and averaged.module.layer.weight is not module.layer.weight
     torch.testing.assert_close(averaged.module.layer.weight, module.layer.weight)
     assert compat.averaged_model(ModelCheckpoint()) is None
+
+
+def _store_between_ranks(rank: int, world_size: int) -> tuple[bool, str]:
+    store = compat.default_store()
+    if rank == 0:
+        store.set("roll_call_probe", "rank 0 was here")
+    dist.barrier()
+    return store is not None, store.get("roll_call_probe").decode()
+
+
+def test_default_store_is_the_store_every_rank_joined_through() -> None:
+    """What one rank writes in ``compat.default_store()`` another reads there, without a collective (the roll call
+    after an error relies on it); None where no process group is."""
+    for found, seen in run_distributed(_store_between_ranks, WORLD, timeout=60, start_method="fork"):
+        assert found and seen == "rank 0 was here"
+    if not dist.is_initialized():
+        assert compat.default_store() is None

@@ -86,13 +86,13 @@ def _issued_during_backward(rank: int, world_size: int) -> dict:
     class Finish(L.Callback):
         def setup(self, trainer, pl_module, stage) -> None:
             strategy = trainer.strategy
-            finish = strategy._exchange.finish
+            finish = strategy.inter_node.exchange.finish
 
             def marked() -> bool:
                 events.append("finish")
                 return finish()
 
-            strategy._exchange.finish = marked
+            strategy.inter_node.exchange.finish = marked
             strategy_box.append(strategy)
 
     _fit(rank, True, 1, callbacks=[Marks(), Finish()], steps=1, bucket_cap_mb=0.0)  # one bucket per block
@@ -213,7 +213,7 @@ def _scaled(rank: int, world_size: int) -> dict:
 
         class CountFinish(L.Callback):
             def setup(self, trainer, pl_module, stage) -> None:
-                exchange = trainer.strategy._exchange
+                exchange = trainer.strategy.inter_node.exchange
                 if exchange is not None:
                     finish = exchange.finish
                     exchange.finish = lambda: finished.append(True) or finish()

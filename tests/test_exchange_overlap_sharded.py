@@ -55,7 +55,7 @@ def _fit(rank: int, overlap: bool, powersgd_rank: int, events: BackwardEvents | 
         module, loader(token_dataset(), rank, world_size=WORLD))
     local = {n: p.to_local().numel() for n, p in module.named_parameters()}
     return {"full": strategy.full_state_dict(), "divergence": strategy.replica_divergence(), "local": local,
-            "sent": strategy.powersgd.stats.bytes_sent_last_step, "overlapped": strategy._exchange is not None}
+            "sent": strategy.powersgd.stats.bytes_sent_last_step, "overlapped": strategy.inter_node.exchange is not None}
 
 
 def _paths(rank: int, world_size: int) -> dict:

@@ -84,7 +84,7 @@ def _fit(rank: int, overlap: bool | str) -> dict:
 
     def setup_environment() -> None:
         original_setup()
-        exchange = strategy._exchange
+        exchange = strategy.inter_node.exchange
         if exchange is not None:
             real_finish = exchange.finish
 

@@ -9,6 +9,7 @@ and the row. The modules stay small enough to hold one concept each: none over 5
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -68,3 +69,24 @@ def test_no_plugin_module_is_over_500_lines() -> None:
     long = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"plugin modules over {MAX_LINES} lines: {long}; expected one concept per module"
+
+
+def test_the_strategy_is_one_base_class_and_parts_that_keep_to_their_own_state() -> None:
+    """No mixins (issue 70): every class in ``ShardedPowerSGDStrategy``'s MRO before Lightning's is a strategy, and no
+    module of the plugins reads another object's private attribute through ``self.<part>._<name>``."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from dalle_lightning_plugins.strategies.local_steps import LocalStepsStrategy
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
+
+    for strategy in (ShardedPowerSGDStrategy, LocalStepsStrategy):
+        ours = [c for c in strategy.__mro__ if c.__module__.startswith("dalle_lightning_plugins")]
+        assert all(issubclass(c, ParallelStrategy) for c in ours), ours
+    reached = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            inner = getattr(node, "value", None)
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self"):
+                reached.append(f"{path.relative_to(PACKAGE)}:{node.lineno} self.{inner.attr}.{node.attr}")
+    assert not reached, reached

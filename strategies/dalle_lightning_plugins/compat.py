@@ -38,6 +38,7 @@ __all__ = [
     "amp_unscale_and_check",
     "attached_trainer",
     "averaged_model",
+    "default_store",
     "dtensor_op_handlers",
     "dynamo_config",
     "fsdp_param_groups",
@@ -309,3 +310,16 @@ def process_group_backend(strategy: Any) -> str:
     """The backend a Lightning strategy will give its process group (``ddp``'s and the plugins' strategies answer
     with ``_get_process_group_backend``: the one passed, else gloo on CPU, nccl on CUDA)."""
     return strategy._get_process_group_backend()
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (``torch.distributed``'s rendezvous store, which every rank
+    reaches without a collective), or None where there is none: the teardown after an error asks it which ranks of a
+    node are still there (:mod:`~dalle_lightning_plugins.strategies.roll_call`); ``torch.distributed`` has no public
+    name for it."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -114,7 +114,7 @@ class InterNodeReduction:
         self.powersgd: PowerSGD | None = None
         self.exchange: OverlappedExchange | None = None
         self.uncompressed: set[str] = set()
-        self.replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (fsdp_wiring.prepare_for_sharding)
+        self.replicated: list[nn.Parameter] = []  # parameters FSDP2 leaves whole (sharding.prepare_for_sharding)
         self.timeout: timedelta | None = None
         self.global_rank, self.world_size, self.per_node = 0, 1, 1
         self._time = [0.0, 0]  # seconds in reduce() and its calls (after the first), for the figures
@@ -181,6 +181,14 @@ class InterNodeReduction:
             self.exchange.detach()  # a later fit (or Trainer) attaches again to the model it then has
 
     # ------------------------------------------------------------------ one step
+
+    def path(self, *, synchronised: bool, world_size: int, module: nn.Module | None, precision: Any,
+             every_unit_ran_once: bool) -> ExchangePath:
+        """When this backward's gradients cross between nodes (:func:`exchange_path`), with this part's overlap."""
+        return exchange_path(synchronised=synchronised, world_size=world_size,
+                             automatic_optimization=module is not None and bool(getattr(module, "automatic_optimization", True)),
+                             precision=precision, can_overlap=self.exchange is not None and self.choice.overlap_now(),
+                             every_unit_ran_once=every_unit_ran_once)
 
     def reduce(self, module: nn.Module, device: torch.device, since: float | None = None) -> bool:
         """Average every local gradient shard over the replicate axis; False means skip the step (every rank).

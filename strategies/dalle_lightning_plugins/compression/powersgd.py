@@ -135,9 +135,10 @@ class PowerSGDStats:
         """Count a step skipped for a non-finite gradient, found here or by the caller before reducing."""
         self.steps += 1
         self.skipped_steps += 1
-        self._record(0, 0)
+        self.record(0, 0)
 
-    def _record(self, sent: int, uncompressed: int) -> None:
+    def record(self, sent: int, uncompressed: int) -> None:
+        """The bytes of one step (taken or skipped): the last step's and the running totals."""
         self.bytes_sent_last_step, self.uncompressed_bytes_last_step = sent, uncompressed
         self.bytes_sent_total += sent
         self.uncompressed_bytes_total += uncompressed
@@ -333,7 +334,7 @@ class PowerSGD:
     def count_step(self, sent: int, uncompressed: int) -> None:
         """A taken step: ``sent`` bytes this rank contributed, ``uncompressed`` those of a plain fp32 average."""
         self.stats.steps += 1
-        self.stats._record(sent, uncompressed)
+        self.stats.record(sent, uncompressed)
         self._step += 1
 
     def count_skip(self) -> None:

@@ -52,7 +52,7 @@ from dalle_lightning_plugins.io.dcp_checkpoint import (
 from dalle_lightning_plugins.io.dcp_reader import read_dcp_metadata
 from dalle_lightning_plugins.io.rank_state import from_legacy, join, split, template
 from dalle_lightning_plugins.io.refusal import CheckpointRefused, refusal
-from dalle_lightning_plugins.strategies.fsdp_wiring import from_plain, is_plain, to_plain
+from dalle_lightning_plugins.strategies.plain_weights import from_plain, is_plain, to_plain
 from dalle_lightning_plugins.io.full_checkpoint import (
     gather_plain_to_rank0,
     gather_to_rank0,

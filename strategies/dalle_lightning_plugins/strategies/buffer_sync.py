@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dalle_lightning_plugins.strategies.fsdp_wiring import broadcast_buffers
+from dalle_lightning_plugins.strategies.broadcasts import broadcast_buffers
 
 
 class BufferBroadcasts:

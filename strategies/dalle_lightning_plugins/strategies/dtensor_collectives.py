@@ -8,7 +8,7 @@ the mesh, :mod:`dalle_lightning_plugins.strategies.mesh`), and so is whatever a 
 epoch's accumulated value), and Lightning's ``_sync_ddp`` ran ``all_reduce`` on the DTensor itself, which
 DTensor has no rule for (``c10d.allreduce_.default does not have a sharding strategy registered``).
 
-:class:`DTensorCollectives` gives ``ddp``'s answer for the same full tensor: a DTensor first becomes its full
+:class:`DTensorCollectives` (a part the strategy holds) gives ``ddp``'s answer for the same full tensor: a DTensor first becomes its full
 value on this rank (``full_tensor()``, a collective over the DTensor's own mesh, the node's devices: every rank of
 the node takes part, as every rank takes part in the collective that follows), then the usual collective runs over
 the whole world (or the ``group`` given), so a mean is the mean over every rank of the full-tensor value, nodes
@@ -29,13 +29,13 @@ no plain tensor is).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from typing_extensions import override
 
 from dalle_lightning_plugins import compat
 
@@ -53,30 +53,32 @@ def full_value(value: Any) -> Any:
 
 
 class DTensorCollectives:
-    """Mixin placed before :class:`~dalle_lightning_plugins.strategies.parallel_base.ShardedParallelStrategy` in a
-    strategy's bases (see the module docstring)."""
+    """A strategy's part for Lightning's collectives on sharded values (see the module): the values its ``reduce``,
+    ``all_gather`` and ``broadcast`` hand to Lightning's own, and the raw ``torch.distributed`` rule of each stage.
+    Stateless between stages: a stage's rule is installed at its ``setup_environment`` and removed at its
+    teardown, whichever way it ends."""
 
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, DTensor):  # anything else as the parent has it (a non-tensor comes back unreduced)
-            tensor = tensor.full_tensor()
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # the strategy's class name, for the one-line refusals
 
-    @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        return super().all_gather(full_value(tensor), group=group, sync_grads=sync_grads)  # type: ignore[misc]
+    @staticmethod
+    def to_reduce(tensor: Any) -> Any:
+        """What ``reduce`` hands on: a DTensor's full value; anything else as it is (Lightning returns a non-tensor
+        unreduced)."""
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        # Every rank converts (the full tensor is a collective), though only ``src``'s value is sent.
-        return super().broadcast(full_value(obj), src=src)  # type: ignore[misc]
+    @staticmethod
+    def to_send(value: Any) -> Any:
+        """What ``all_gather`` and ``broadcast`` hand on: every DTensor in ``value`` as its full value (every rank
+        converts, though a broadcast sends only ``src``'s)."""
+        return full_value(value)
 
-    def raw_collectives_for_stage(self, mesh: DeviceMesh) -> None:
+    def raw_collectives_for_stage(self, mesh: DeviceMesh, until_teardown: Callable[[Callable[[], None]], None]) -> None:
         """``torch.distributed.all_reduce``/``broadcast`` on the DTensors of ``mesh`` (the strategy's), until this
-        stage's teardown (:class:`RawCollectives`; the strategy's ``until_teardown``)."""
-        raw = RawCollectives(mesh, type(self).__name__)
+        stage's teardown (:class:`RawCollectives`; ``until_teardown`` is the strategy's)."""
+        raw = RawCollectives(mesh, self.owner)
         raw.install()
-        self.until_teardown(raw.uninstall)  # type: ignore[attr-defined]
+        until_teardown(raw.uninstall)
 
 
 def _local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.strategies import broadcasts
 from dalle_lightning_plugins.compression.exchange import ExchangeError, average_whole
 from dalle_lightning_plugins.strategies.mesh import local_shard
 from dalle_lightning_plugins.compression.outer_step import OuterStep
@@ -219,7 +219,7 @@ class LocalStepsStrategy(ShardedPowerSGDStrategy):
             landed = call([t for _, t in self._named_shards()], replicate.get_group() if replicas > 1 else None,
                           replicas)
             if landed and self.world_size > 1 and self.lightning_module is not None:
-                fsdp_wiring.broadcast_buffers(self.lightning_module)  # one model again: rank 0's buffers everywhere
+                broadcasts.broadcast_buffers(self.lightning_module)  # one model again: rank 0's buffers everywhere
             return landed
         except (RuntimeError, dist.DistError) as error:
             if not lost_peer(error):

@@ -5,7 +5,7 @@ This is the paper's recipe for training a model that does not fit one GPU on mac
 * a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`dalle_lightning_plugins.strategies.mesh`);
 * every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
   remaining parameters form the root unit; the next blocks are prefetched explicitly
-  (:mod:`dalle_lightning_plugins.strategies.fsdp_wiring`, :mod:`dalle_lightning_plugins.strategies.prefetch`);
+  (:mod:`dalle_lightning_plugins.strategies.sharding`, :mod:`dalle_lightning_plugins.strategies.prefetch`);
 * FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
   gradient with its replicas on the other nodes through PowerSGD (not FSDP's HSDP all-reduce, which cannot be
   compressed), during the backward where it can (:mod:`dalle_lightning_plugins.compression.inter_node`). A
@@ -28,7 +28,6 @@ nodes on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPo
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
@@ -39,7 +38,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
@@ -47,18 +45,19 @@ from typing_extensions import override
 
 from dalle_lightning_plugins import compat
 
-from dalle_lightning_plugins.strategies import fsdp_wiring, stand_ins
+from dalle_lightning_plugins.strategies import sharded_root, stand_ins
 from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
 from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
 from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep
 from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
 from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, check_precision  # noqa: F401 (kept names)
 from dalle_lightning_plugins.dtypes import resolve_dtype
-from dalle_lightning_plugins.compression.exchange import ExchangeError, OverlappedExchange
+from dalle_lightning_plugins.compression.exchange import ExchangeError
 from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
-from dalle_lightning_plugins.strategies.fsdp_wiring import SHARDED_ROOT_ATTR, ShardedRoot, carried
+from dalle_lightning_plugins.strategies.carried import SHARDED_ROOT_ATTR, carried
+from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot
 from dalle_lightning_plugins.strategies.weight_averaging import shard_averages
-from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, exchange_path, replica_divergence
+from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
 from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD  # noqa: F401 (kept names)
 from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, resolve_block_class
@@ -74,13 +73,14 @@ STRATEGY_NAME = "sharded_powersgd"
 CHECKPOINT_FORMATS = ("full", "sharded")
 
 
-class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
+class ShardedPowerSGDStrategy(ShardedParallelStrategy):
     """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
 
     Composed of parts that own their state, each called from the Lightning hook that needs it: ``stage`` (the
     sharded root, its stand-ins and originals, the blocks), ``whole_weights`` (``full_weights_after`` and the end
     of a stage), ``inter_node`` (the exchange between nodes), ``averaged_step`` (the optimizer step around it),
-    ``collective_failures`` (a lost peer in one line), ``checkpoints`` (what goes to and comes from disk).
+    ``collective_failures`` (a lost peer in one line), ``dtensor_collectives`` (Lightning's collectives on sharded
+    values), ``checkpoints`` (what goes to and comes from disk).
 
     Args:
         devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
@@ -182,16 +182,13 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self.averaged_step = AveragedStep()
         self.collective_failures = CollectiveFailures(self.inter_node.failure)
+        self.dtensor_collectives = DTensorCollectives(type(self).__name__)
         self.buffer_broadcasts = BufferBroadcasts(self._buffer_scope, self.until_teardown)  # rank 0's, as ddp's
 
     @property
     def powersgd(self) -> PowerSGD | None:
         """This rank's compressor (its settings, error buffers and counters); None before ``setup_environment``."""
         return self.inter_node.powersgd
-
-    @property
-    def _exchange(self) -> OverlappedExchange | None:
-        return self.inter_node.exchange
 
     @property  # the parts' state under the names callers, tests and benchmarks read on the strategy
     def _root(self) -> ShardedRoot | None:
@@ -241,7 +238,8 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
             for group in (exchange.p_group, exchange.q_group):
                 self.until_teardown(functools.partial(dist.destroy_process_group, group))
         if per_node > 1:  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
-            self.raw_collectives_for_stage(self._device_mesh)
+            self.dtensor_collectives.raw_collectives_for_stage(self._device_mesh, self.until_teardown)
+            self.whole_weights.roll_call.begin(self._device_mesh["shard"].mesh.flatten().tolist())  # after an error
 
     # ------------------------------------------------------------------ model setup
 
@@ -265,7 +263,7 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         self.stage.averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module,
                                                                                                   self.until_teardown)
         if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
-            self.inter_node.attach(module, self.stage.block_names, fsdp_wiring.replicated_parameters(module, shard_size > 1))
+            self.inter_node.attach(module, self.stage.block_names, sharded_root.replicated_parameters(module, shard_size > 1))
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -295,20 +293,11 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
     @contextmanager
     def full_parameters(self) -> Generator[None, None, None]:
         """Collective: every parameter whole on every rank for the duration (protocol of the callbacks'
-        ``full_parameters``; see :func:`dalle_lightning_plugins.strategies.fsdp_wiring.full_parameters`)."""
-        with fsdp_wiring.full_parameters(self.model, self.reshard_after_forward):
+        ``full_parameters``; see :func:`dalle_lightning_plugins.strategies.sharded_root.full_parameters`)."""
+        with sharded_root.full_parameters(self.model, self.reshard_after_forward):
             yield None
 
     # ------------------------------------------------------------------ the step
-
-    def _exchange_path(self, every_unit_ran_once: bool) -> ExchangePath:
-        """When this backward's gradients cross between nodes (:func:`~dalle_lightning_plugins.compression.inter_node.exchange_path`)."""
-        module = self.lightning_module
-        return exchange_path(synchronised=self._synchronised_step, world_size=self.world_size,
-                             automatic_optimization=module is not None and module.automatic_optimization,
-                             precision=self.precision_plugin,
-                             can_overlap=self._exchange is not None and self.inter_node.choice.overlap_now(),
-                             every_unit_ran_once=every_unit_ran_once)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -323,13 +312,14 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        path = self._exchange_path(every_unit_ran_once=not irregular)
+        path = self.inter_node.path(synchronised=self._synchronised_step, world_size=self.world_size, module=module,
+                                    precision=self.precision_plugin, every_unit_ran_once=not irregular)
         if self._synchronised_step:
             step.overlapped = path is ExchangePath.OVERLAPPED
-        if self._exchange is not None:
+        if self.inter_node.exchange is not None:
             precision = self.precision_plugin
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
-            self._exchange.begin(active=path is ExchangePath.OVERLAPPED, unscale=unscale)
+            self.inter_node.exchange.begin(active=path is ExchangePath.OVERLAPPED, unscale=unscale)
         try:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         except ExchangeError as error:  # a bucket's collective, issued from a gradient hook, failed
@@ -366,7 +356,7 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         output = self.averaged_step.step(optimizer, closure, model, precision=self.precision_plugin,
                                          module=self.lightning_module, base_step=super().optimizer_step,
                                          reduce=self.reduce_gradients, **kwargs)
-        if self._exchange is not None:  # overlap="auto": every update's time, for the choice of path
+        if self.inter_node.exchange is not None:  # overlap="auto": every update's time, for the choice of path
             self.inter_node.choice.record(time.perf_counter() - start, self.averaged_step.overlapped, self.root_device)
         return output
 
@@ -383,15 +373,20 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         with self.collective_failures.named("Lightning's barrier"):
             super().barrier(*args, **kwargs)
 
+    # and on sharded values as ddp's on the full ones (dtensor_collectives)
     @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         with self.collective_failures.named("Lightning's reduce (a checkpoint's decision or a logged metric)"):
-            return super().reduce(*args, **kwargs)
+            return super().reduce(self.dtensor_collectives.to_reduce(tensor), group=group, reduce_op=reduce_op)
 
     @override
-    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        return super().all_gather(self.dtensor_collectives.to_send(tensor), group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
         with self.collective_failures.named("Lightning's broadcast"):
-            return super().broadcast(*args, **kwargs)
+            return super().broadcast(self.dtensor_collectives.to_send(obj), src=src)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -401,7 +396,7 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
         if self.stage.averages_sharded and self.stage.root is not None:
             # WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root
             # unit, which a forward without backward leaves gathered, goes back to its shards after each step
-            fsdp_wiring.reshard_all(self.stage.root)
+            sharded_root.reshard_all(self.stage.root)
         return output
 
     @override
@@ -438,6 +433,10 @@ class ShardedPowerSGDStrategy(DTensorCollectives, ShardedParallelStrategy):
             self._leave_weights_whole()
         finally:
             super().teardown()  # the stage's own installs are undone even if the weights could not be made whole
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.whole_weights.on_exception(exception)  # a failed collective: no gather at teardown
 
     @override
     def on_train_end(self) -> None:

@@ -1,5 +1,5 @@
 """The stage's model of :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`: the
-sharded root with its stand-ins and the user's originals (:mod:`~dalle_lightning_plugins.strategies.fsdp_wiring`,
+sharded root with its stand-ins and the user's originals (:mod:`~dalle_lightning_plugins.strategies.sharding`,
 :mod:`~dalle_lightning_plugins.strategies.stand_ins`), the blocks that became FSDP units and their names, and the
 activation-checkpointing wrappers the stage put on them.
 
@@ -20,9 +20,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.protocol import blocks_tied_outside, find_resblocks
-from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.strategies.broadcasts import broadcast_replicas
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
-from dalle_lightning_plugins.strategies.fsdp_wiring import ShardedRoot
+from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot, check_units_ran, hook_lightning_module, reshard_all
+from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
 
 
@@ -80,8 +81,8 @@ class ShardedModel:
                 f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
             )
         prepare(module)  # the precision plugin's conversion, the blocks, activation checkpointing
-        fsdp_wiring.reshard_all(root)
-        fsdp_wiring.hook_lightning_module(root)
+        reshard_all(root)
+        hook_lightning_module(root)
         self.root = root
         return root
 
@@ -89,7 +90,7 @@ class ShardedModel:
               mesh: DeviceMesh, root_device: torch.device, world_size: int, *, whole: bool,
               mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool, prefetch_depth: int) -> nn.Module:
         """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node (the
-        user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.fsdp_wiring.to_plain`);
+        user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain`);
         the module itself, whole, at one device per node or when ``whole`` (a stage without training on whole
         weights). ``prepare`` is the precision plugin's conversion, the blocks and activation checkpointing."""
         shard_size = mesh["shard"].size()
@@ -100,14 +101,14 @@ class ShardedModel:
             compat.materialize_meta_tensors(module, root_device)  # ``init_module(empty_init=True)``
             module.to(root_device)
             # every rank starts from rank 0's parameters and buffers, as ddp's wrapper does when it is made
-            fsdp_wiring.broadcast_replicas(module, mesh["replicate"], world_size)
+            broadcast_replicas(module, mesh["replicate"], world_size)
             if shard_size > 1:
                 return module  # a stage without training, on whole weights: the module itself, as under ddp
             return ShardedRoot(module, dict(module.named_children()))
         # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
-        root = fsdp_wiring.shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=mp_policy,
+        root = shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=mp_policy,
                                            reshard_after_forward=reshard_after_forward, prefetch_depth=prefetch_depth)
-        fsdp_wiring.broadcast_replicas(module, mesh["replicate"], world_size)
+        broadcast_replicas(module, mesh["replicate"], world_size)
         load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
         return root
 
@@ -118,7 +119,7 @@ class ShardedModel:
         (those of units no rank ran, where they had none)."""
         root = self.root
         assert root is not None
-        idle, repeated = fsdp_wiring.check_units_ran(root, self.block_names, shard_group, root_device)
+        idle, repeated = check_units_ran(root, self.block_names, shard_group, root_device)
         # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
         # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
         # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).

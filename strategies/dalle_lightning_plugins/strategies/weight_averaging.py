@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 from dalle_lightning_plugins import compat
-from dalle_lightning_plugins.strategies.fsdp_wiring import reshard_all
+from dalle_lightning_plugins.strategies.sharded_root import reshard_all
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

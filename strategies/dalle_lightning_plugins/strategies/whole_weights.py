@@ -18,7 +18,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from dalle_lightning_plugins import compat
-from dalle_lightning_plugins.strategies import fsdp_wiring
+from dalle_lightning_plugins.environments.peer_loss import lost_peer
+from dalle_lightning_plugins.strategies import plain_weights
+from dalle_lightning_plugins.strategies.carried import SHARDED_ROOT_ATTR, carry
+from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot
+from dalle_lightning_plugins.strategies.roll_call import RollCall
 from dalle_lightning_plugins.strategies.weight_averaging import whole_averages
 
 if TYPE_CHECKING:
@@ -45,13 +49,15 @@ class WholeWeights:
         self.full_weights_after = full_weights_after
         self.decision: bool | None = None  # "auto"'s decision, made once
         self.owner = owner  # the strategy's class name, for its lines
+        self.roll_call = RollCall()  # after an error: whether the node's ranks are all here to gather (each stage's)
 
     def leave(self, module: nn.Module, stage: ShardedModel, shard_size: int, root_device: torch.device,
               num_processes: int) -> nn.Module | None:
         """The module after a stage, on the CPU as ``ddp`` leaves it: its own children back, holding the whole values
         (``full_weights_after``; a collective, at the end of a stage that ran to its end), or the sharded stand-ins
-        kept (``full_weights_after=False``). After a stage that failed or was interrupted a peer may be gone: each
-        rank puts its children back alone (:meth:`_restore_after_error`). Either way the strategy's hooks come off.
+        kept (``full_weights_after=False``). After a stage that failed or was interrupted a peer may be gone: the
+        gather runs only where every rank of the node is there (:meth:`_restore_after_error`). Either way the
+        strategy's hooks come off.
         Returns the strategy's model from now on (the plain module, as ``ddp`` unwraps its wrapper), or None where it
         stays."""
         root = stage.root
@@ -60,14 +66,14 @@ class WholeWeights:
         if ours:
             root.remove_owner_hooks()
         ended = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-        sharded = ours and isinstance(root, FSDPModule) and bool(root.originals) and not fsdp_wiring.is_plain(root)
+        sharded = ours and isinstance(root, FSDPModule) and bool(root.originals) and not plain_weights.is_plain(root)
         carried = ours and isinstance(root, FSDPModule) and not root.originals  # left sharded by full_weights_after
         if not ended:
             if sharded and self._whole_after_error(module, root_device, num_processes):
                 return self._restore_after_error(module, root)
             if sharded or carried:  # full_weights_after=False: the shards stay, as after a stage that ends
-                fsdp_wiring.release_originals(root)
-                fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, (root, shard_size))
+                plain_weights.release_originals(root)
+                carry(module, SHARDED_ROOT_ATTR, (root, shard_size))
                 return None
             if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):  # (a failed setup)
                 module.cpu()  # as ddp (Strategy.teardown), after an error too
@@ -77,14 +83,20 @@ class WholeWeights:
             module.cpu()  # as ddp (Strategy.teardown): a module whole on every rank ends on the CPU
             return module
         if not root.originals or not self.want(module, root_device, num_processes):
-            fsdp_wiring.release_originals(root)
-            fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, (root, shard_size))
+            plain_weights.release_originals(root)
+            carry(module, SHARDED_ROOT_ATTR, (root, shard_size))
             return None
         whole_averages(trainer)
-        fsdp_wiring.to_plain(root, torch.device("cpu"))
-        fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
+        plain_weights.to_plain(root, torch.device("cpu"))
+        carry(module, SHARDED_ROOT_ATTR, None)
         module.cpu()  # the module's own tensors (outside its children) too
         return module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A stage ended by a collective that failed (a lost peer, a timeout: ``lost_peer``) gathers nothing after it:
+        the node's ranks restore alone, without waiting for this one."""
+        if lost_peer(exception):
+            self.roll_call.give_up()
 
     def _whole_after_error(self, module: nn.Module, root_device: torch.device, num_processes: int) -> bool:
         """``full_weights_after`` without a collective: ``"auto"`` not yet decided judges this rank's memory alone."""
@@ -92,15 +104,27 @@ class WholeWeights:
             return self.full_weights_after
         if self.decision is not None:
             return self.decision
-        return fsdp_wiring.whole_bytes(module) <= FULL_WEIGHTS_MEMORY_SHARE * free_bytes_per_rank(root_device,
+        return plain_weights.whole_bytes(module) <= FULL_WEIGHTS_MEMORY_SHARE * free_bytes_per_rank(root_device,
                                                                                                   num_processes)
 
-    def _restore_after_error(self, module: nn.Module, root: fsdp_wiring.ShardedRoot) -> nn.Module:
-        """No collective: the user's children back on the CPU, their own objects, whole. Where the stage released a
-        tensor's storage, it holds this rank's trained shard and NaN elsewhere (the other shards are on the other
-        ranks, which an error may have taken): said in one line, with the way back (a checkpoint)."""
-        partial = fsdp_wiring.restore_after_error(root, torch.device("cpu"))
-        fsdp_wiring.carry(module, fsdp_wiring.SHARDED_ROOT_ATTR, None)
+    def _restore_after_error(self, module: nn.Module, root: ShardedRoot) -> nn.Module:
+        """The user's children back on the CPU, their own objects, whole. Where every rank of the node reached its
+        teardown (:class:`~dalle_lightning_plugins.strategies.roll_call.RollCall`: an error every rank raised, Ctrl-C)
+        they gather the trained values, as after a stage that ends. Otherwise there is no collective (a peer is
+        gone, or blocked in one of the step's): where the stage released a tensor's storage, it holds this rank's
+        trained shard and NaN elsewhere, said in one line, with the way back (a checkpoint)."""
+        if self.roll_call.all_here():
+            try:
+                plain_weights.to_plain(root, torch.device("cpu"))  # a collective: every rank of the node is here
+            except (RuntimeError, dist.DistError) as error:  # a communicator the error broke: each rank alone then
+                rank_zero_warn(f"{self.owner}: gathering the shards after the error failed ({error}".splitlines()[0]
+                               + ")")
+            else:
+                carry(module, SHARDED_ROOT_ATTR, None)
+                module.cpu()
+                return module
+        partial = plain_weights.restore_after_error(root, torch.device("cpu"))
+        carry(module, SHARDED_ROOT_ATTR, None)
         module.cpu()
         rank_zero_warn(
             f"{self.owner}: the stage ended without finishing, so the ranks did not gather the shards; "
@@ -125,7 +149,7 @@ class WholeWeights:
         """Whether whole weights are wanted after a stage; ``"auto"`` decides once, the same on every rank."""
         if self.full_weights_after is not True and self.full_weights_after is not False:  # "auto", decided once
             if self.decision is None:
-                need = fsdp_wiring.whole_bytes(module)
+                need = plain_weights.whole_bytes(module)
                 free = free_bytes_per_rank(root_device, num_processes)
                 fits = torch.tensor([float(need <= FULL_WEIGHTS_MEMORY_SHARE * free)], device=root_device)
                 dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # every rank the same decision: it is a collective

@@ -1,0 +1,168 @@
+"""The root FSDP2 unit of a sharded stage and what happens around its forward: the LightningModule's children (or
+their stand-ins) registered under their own names, gathered before any forward that reads them, every unit returned
+to its shards after a forward without backward, the check that every unit ran on every rank of a node, and every
+parameter whole for a while (``full_parameters``).
+
+Everything here is about the ``"shard"`` axis of the mesh (the devices of one node); what crosses between nodes is
+:mod:`dalle_lightning_plugins.compression.inter_node`'s. Building the units is
+:mod:`~dalle_lightning_plugins.strategies.sharding`'s; whole plain weights after a stage
+:mod:`~dalle_lightning_plugins.strategies.plain_weights`'.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+
+class ShardedRoot(nn.Module):
+    """The FSDP root of a stage: stand-ins of the LightningModule's children, sharded, around its ``training_step``.
+
+    Lightning calls ``training_step``, not ``forward``; FSDP's root hooks (lazy init, unsharding the root's own
+    parameters, the end-of-backward callback) live on ``forward``. Lightning's forward redirection routes
+    ``training_step`` through this module's ``forward``. The LightningModule is held, not registered: FSDP2 never
+    reaches the user's module itself. Its children are registered here under their own names (so this module's
+    parameter names are the LightningModule's): for a sharded stage meta-device stand-ins of them
+    (:mod:`~dalle_lightning_plugins.strategies.stand_ins`), which the LightningModule holds for the stage while
+    ``originals`` keeps the user's own children for
+    :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain` (``released``: their tensors whose storage the
+    shards hold; ``guards``: the hooks refusing their forward for the stage); at one device per node the children
+    themselves (``originals`` None: nothing is copied).
+    """
+
+    def __init__(self, module: nn.Module, parts: dict[str, nn.Module],
+                 originals: dict[str, nn.Module] | None = None) -> None:
+        super().__init__()
+        self.units_ran: dict[str, int] = {}  # block unit -> forwards since the last check (check_units_ran)
+        self.gathered_outside = False  # gathered again after a backward resharded it (see gather_root_before_forward)
+        object.__setattr__(self, "owner", module)  # not a submodule: FSDP2 and state dicts never reach it
+        object.__setattr__(self, "originals", originals)
+        object.__setattr__(self, "owner_hooks", [])  # handles of hooks on the LightningModule, for this stage only
+        object.__setattr__(self, "released", {})  # parameter or buffer name -> stand_ins.Released
+        object.__setattr__(self, "guards", [])  # forward pre-hooks on the user's children, for this stage only
+        for name, part in parts.items():
+            self.add_module(name, part)  # a clash with an attribute above raises here, naming it
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.owner(*args, **kwargs)
+
+    def remove_owner_hooks(self) -> None:
+        """Take the strategy's hooks off the LightningModule (teardown: the module leaves as it came)."""
+        for handle in self.owner_hooks:
+            handle.remove()
+        self.owner_hooks.clear()
+
+
+def reshard_all(root: nn.Module) -> None:
+    """Return every FSDP unit under ``root`` to its shards (a no-op for sharded ones).
+
+    A forward without backward (validation, a metric under ``no_grad``) leaves the root unit gathered: its
+    registered parameters are then the gathered copies, which an optimizer built now would update in vain.
+    """
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def gather_root_before_forward(root: ShardedRoot) -> None:
+    """Gather the root unit before any forward of a module owning its parameters, not only ``training_step``.
+
+    FSDP2 gathers the root unit in ``ShardedRoot.forward`` (around ``training_step``) and reshards it after each
+    backward; a second forward in the same step (after ``manual_backward``, with a second optimizer, a metric on
+    the updated model) would meet sharded parameters. Gathering again there reads the current shards, so it also
+    sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered. The hooks
+    on the stand-ins stay with them; the one on the LightningModule is the stage's (:func:`hook_lightning_module`).
+    """
+    block_params = {id(p) for m in root.modules() if isinstance(m, FSDPModule) and m is not root for p in m.parameters()}
+    owned = [(m, n) for m in root.modules() for n, p in m.named_parameters(recurse=False)
+             if m is not root and id(p) not in block_params]
+    object.__setattr__(root, "probe", owned[0] if owned else None)  # FSDP2 swaps it: a DTensor while sharded
+    for owner in {id(m): m for m, _ in owned}.values():
+        owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root))
+    hook_lightning_module(root)
+
+
+def hook_lightning_module(root: ShardedRoot) -> None:
+    """The LightningModule's own forward (``self(x)`` in a step) gathers the root unit too, for this stage:
+    :meth:`ShardedRoot.remove_owner_hooks` takes it off at teardown."""
+    if getattr(root, "probe", None) is not None and not root.owner_hooks:
+        root.owner_hooks.append(root.owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root)))
+
+
+def _gather_if_sharded(root: ShardedRoot, *_: Any) -> None:
+    owner, name = root.probe
+    if isinstance(getattr(owner, name), DTensor):
+        root.unshard()  # type: ignore[operator]
+        root.gathered_outside = True
+
+
+def mark_ran(ran: dict[str, int], name: str, *_: Any) -> None:
+    """A block's forward pre-hook: one more forward of unit ``name`` since the last :func:`check_units_ran`."""
+    ran[name] = ran.get(name, 0) + 1
+
+
+def check_units_ran(root: ShardedRoot, block_names: Sequence[str], group: dist.ProcessGroup,
+                    device: torch.device) -> tuple[list[str], list[str]]:
+    """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
+
+    A block only some ranks run (layer drop decided per rank) leaves FSDP2's gathers and reduce-scatters
+    unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
+    into an error on every rank before the backward's collectives start. Returns the units no rank ran, and
+    those some rank ran more than once (FSDP2 then reduce-scatters them once per forward, so their gradients
+    are final only at the end of the backward).
+    """
+    counts = torch.tensor([root.units_ran.get(n, 0) for n in block_names], dtype=torch.float32, device=device)
+    root.units_ran.clear()
+    ran = counts.clamp(max=1)
+    both = torch.stack([ran, -ran, counts])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    highs, lows, most = both[0].tolist(), (-both[1]).tolist(), both[2].tolist()
+    uneven = [n for n, hi, lo in zip(block_names, highs, lows) if hi != lo]
+    if uneven:
+        raise RuntimeError(
+            f"block {uneven[0]} ran forward on some ranks of a node only; ShardedPowerSGDStrategy needs every "
+            f"FSDP unit in every rank's forward at devices_per_node > 1: run it everywhere (scale its output "
+            f"by 0 where skipped), or leave it out of the units (block_patterns/block_classes) or use devices_per_node=1"
+        )
+    return [n for n, hi in zip(block_names, highs) if not hi], [n for n, k in zip(block_names, most) if k > 1]
+
+
+def replicated_parameters(module: nn.Module, sharded: bool) -> list[nn.Parameter]:
+    """The parameters FSDP2 left whole on every rank of a sharded node (see :func:`~dalle_lightning_plugins.strategies.sharding.prepare_for_sharding`)."""
+    return [p for p in module.parameters() if sharded and not hasattr(p, "to_local")]
+
+
+@contextmanager
+def full_parameters(root: nn.Module, reshard_after_forward: bool) -> Generator[None, None, None]:
+    """Collective: every parameter whole on every rank for the duration (the strategy's ``full_parameters``).
+
+    For code that reaches a sharded model outside its ``forward`` (sampling with a key/value cache, a
+    decoder's ``decode`` method, image grids): FSDP2 only gathers a unit's parameters around its
+    ``forward``. Inside, no unit reshards after its forward; on exit every unit returns to its shards.
+    Memory: the whole model on every rank, as in a single-device run.
+    """
+    if not isinstance(root, FSDPModule):
+        yield None
+        return
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield None
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward and unit is not root, recurse=False)
+
