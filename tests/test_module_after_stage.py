@@ -7,7 +7,6 @@ A stranger's residual model (``tests/helpers/stranger_residual.py``) on 2 gloo p
   Trainer's ``fit`` on it works and, with the failed fit's checkpoint, ends on ``ddp``'s weights;
 * a fit stopped by ``trainer.should_stop`` ends on ``ddp``'s weights, its own objects; one interrupted by Ctrl-C
   (``KeyboardInterrupt``) leaves the user's own objects, plain on the CPU, as ``ddp``;
-* a child compiled with ``Module.compile()`` is said in one line (its stand-in trains eagerly);
 * ``test`` on whole weights starts every rank from rank 0's parameters (ranks seeded apart), as ``ddp``'s wrapper;
 * parameter groups built in ``__init__`` from the children train as under ``ddp``;
 * a forward through a child referenced before the stage (a closure over ``self.blocks[0]``) and a parameter the
@@ -162,16 +161,6 @@ def _interrupted(layout: str, rank: int) -> dict[str, Any]:
     return {"exit": code, "same_objects": _objects(module) == before, "plain": _plain(module)}
 
 
-def _compiled(rank: int) -> list[str]:
-    torch.manual_seed(0)
-    module = Residual()
-    module.blocks[0].compile()
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        stage_trainer("dpn2", max_steps=1).fit(module, stage_loader(rank))
-    return [str(w.message) for w in said if "Module.compile()" in str(w.message)]
-
-
 def _stopped(layout: str, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Residual()
@@ -208,7 +197,6 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
         module = GroupsInInit()
         stage_trainer(layout).fit(module, stage_loader(rank))
         out[("groups", layout)] = _weights(module)
-    out["compiled"] = _compiled(rank)
     out["taps"] = _refused("dpn2", rank, Taps)
     dist.barrier()  # a refused fit leaves the ranks where they were: both start the next one together
     out["tied"] = _refused("dpn2", rank, TiedOnModule)
@@ -254,11 +242,6 @@ def test_an_interrupted_fit_leaves_the_users_module_as_ddp(results: list[dict[st
         ours, ddp = rank_out[("interrupted", "dpn2")], rank_out[("interrupted", "ddp")]
         assert ours["exit"] == ddp["exit"] == 1
         assert ours["same_objects"] and ours["plain"] == ddp["plain"]
-
-
-def test_a_child_compiled_with_module_compile_is_said_in_one_line(results: list[dict[str, Any]]) -> None:
-    said = results[0]["compiled"]
-    assert len(said) == 1 and said[0].startswith("ShardedPowerSGDStrategy(devices_per_node=2): blocks.0 compiled"), said
 
 
 def test_test_on_whole_weights_starts_every_rank_from_rank_0s(results: list[dict[str, Any]]) -> None:

@@ -25,6 +25,7 @@ by ``tests/test_lightning_internals.py``. CI runs both files on the oldest suppo
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ __all__ = [
     "amp_unscale_and_check",
     "attached_trainer",
     "averaged_model",
+    "compile_call",
+    "compile_config",
+    "compiled_call",
     "default_store",
     "dtensor_op_handlers",
     "dynamo_config",
@@ -257,10 +261,38 @@ def recomputation_stop_errors() -> tuple[type[BaseException], ...]:
     return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
 
 
-def compiled_call(module: Any) -> Any:
-    """The compiled call ``Module.compile()`` set on ``module`` (``nn.Module._compiled_call_impl``), or None: a deep
-    copy drops it, so a stand-in of a compiled child would run eagerly without a word."""
-    return getattr(module, "_compiled_call_impl", None)
+def compiled_call(module: nn.Module) -> Any:
+    """The compiled call ``module.compile(...)`` set (``nn.Module._compiled_call_impl``), or None: none set, or a
+    compile with ``disable=True`` (the module's own call, eager). A deep copy drops it (``nn.Module.__getstate__``),
+    so a stand-in of a compiled module is compiled again (:func:`compile_config`)."""
+    call = getattr(module, "_compiled_call_impl", None)
+    return None if getattr(call, "__self__", None) is module else call
+
+
+def compile_config(module: nn.Module) -> Any:
+    """The ``torch.compile`` configuration behind ``module.compile(...)`` (backend, ``fullgraph``, ``dynamic``,
+    ``mode``, ``options`` in one object, dynamo's ``_TorchDynamoContext``), or None where the module is not compiled
+    or this torch does not show it. torch has no public way to read a compile's arguments back; the wrapper
+    ``torch.compile`` returns holds the context in its closure, as ``self``. Applied to a callable
+    (:func:`compile_call`, or a module's ``forward``) it compiles it as ``module.compile(...)`` compiled
+    ``module``'s call."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    compiled = compiled_call(module)
+    code, closure = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None) or ()
+    cells = dict(zip(code.co_freevars, closure)) if code is not None else {}
+    try:
+        context = cells["self"].cell_contents
+    except (KeyError, ValueError):  # no such cell, or an empty one
+        return None
+    own_call = getattr(inspect.unwrap(compiled), "__self__", None) is module  # Module.compile() wrapped its call
+    return context if own_call and isinstance(context, _TorchDynamoContext) else None
+
+
+def compile_call(module: nn.Module, config: Any) -> None:
+    """Compile ``module``'s call (hooks and ``forward``) with ``config`` (:func:`compile_config` of another module),
+    as ``Module.compile`` does: ``nn.Module.__call__`` runs ``_compiled_call_impl`` where one is set."""
+    module._compiled_call_impl = config(module._call_impl)
 
 
 def set_module_device(module: Any, device: Any) -> None:

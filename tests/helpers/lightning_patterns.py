@@ -7,6 +7,7 @@ Each is small (a few thousand parameters, widths that split unevenly over 2 rank
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning.pytorch as L
@@ -195,18 +196,42 @@ class Manual(Base):
         return torch.optim.SGD(body, lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=0.02)
 
 
-class CompiledChild(Base):
-    """A child compiled with ``nn.Module.compile`` (counting backend: the compiled path is taken or not)."""
+class _Blocks(nn.Sequential):
+    """A user's own container of blocks, with its own ``forward`` (torch 2.9 compiles no frame of torch's own
+    modules: ``nn.Sequential(...).compile()`` runs eagerly there, under any strategy)."""
 
-    compiles: list[int] = []
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            x = block(x)
+        return x
+
+
+class _Head(nn.Linear):
+    """A user's own output layer (its own ``forward``: compiled on every torch, as :class:`_Blocks`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class CompiledChild(Base):
+    """Children compiled with ``nn.Module.compile(backend=..., fullgraph=True)``, each with its own counting backend
+    (``compiles[name]``: how many graphs it compiled): the body, whose blocks are FSDP2 units under the strategy,
+    and the head, inside none. The same modules and initial values as :class:`Base`."""
+
+    compiles: dict[str, int] = {"body": 0, "head": 0}
 
     def __init__(self) -> None:
         super().__init__()
-        self.body.compile(backend=_counting_backend)
+        self.body = _Blocks(*self.body)
+        head = _Head(WIDTH, 1, device="meta")  # no draw from the seeded generator
+        head.load_state_dict(self.head.state_dict(), assign=True)
+        self.head = head
+        for name in self.compiles:
+            getattr(self, name).compile(backend=functools.partial(_counting_backend, name), fullgraph=True)
 
 
-def _counting_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-    CompiledChild.compiles.append(1)
+def _counting_backend(name: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    CompiledChild.compiles[name] += 1
     return gm.forward
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
@@ -109,8 +108,9 @@ def make_stand_ins(module: nn.Module, shard_size: int = 2) -> dict[str, nn.Modul
     """Give ``module`` meta-device stand-ins of its children that hold parameters or buffers (one ``deepcopy`` whose
     memo maps every tensor to a meta twin: no whole copy, ties kept); return the user's own children by name.
 
-    The LightningModule and its Trainer are not copied (a child may refer to them). A child compiled with
-    ``Module.compile()`` is said in one line: ``deepcopy`` drops the compiled call, so its stand-in runs eagerly."""
+    The LightningModule and its Trainer are not copied (a child may refer to them). ``deepcopy`` drops the compiled
+    call of a module compiled with ``Module.compile()``: once the stand-ins are sharded,
+    :func:`~dalle_lightning_plugins.strategies.compiled_stand_ins.compile_stand_ins` compiles them again."""
     originals = _children_with_tensors(module)
     refuse_owner_ties(module, originals, shard_size)
     refuse_listed_children(module, originals, shard_size)
@@ -122,12 +122,6 @@ def make_stand_ins(module: nn.Module, shard_size: int = 2) -> dict[str, nn.Modul
         for _, tensor in _named_tensors(child, remove_duplicate=False):
             if id(tensor) not in memo:
                 memo[id(tensor)] = _meta_twin(tensor)
-    compiled = [f"{name}.{sub}".rstrip(".") for name, child in originals.items() for sub, m in child.named_modules()
-                if compat.compiled_call(m) is not None]
-    if compiled:
-        rank_zero_warn(f"ShardedPowerSGDStrategy(devices_per_node={shard_size}): {', '.join(compiled)} compiled "
-                       "with Module.compile() trains eagerly in a sharded stage (a deep copy drops the compiled "
-                       "call); torch.compile(child) keeps it compiled")
     for name, stand_in in copy.deepcopy(originals, memo).items():
         setattr(module, name, stand_in)
     return originals
