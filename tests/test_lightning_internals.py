@@ -162,6 +162,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "DDPStrategy": ("_timeout",),
     # compat.recomputation_stop_errors (dalle_lightning_plugins.fast_paths): checkpointing's early stop is control flow.
     "torch.utils.checkpoint": ("_StopRecomputationError",),
+    # compat.compiled_call and compat.compile_call (dalle_lightning_plugins.strategies.compiled_stand_ins): a
+    # stand-in of a module compiled with Module.compile() is compiled again, with the user's configuration.
+    "Module": ("_compiled_call_impl", "_call_impl"),
     # compat.set_group_timeout (dalle_lightning_plugins.strategies.mesh): the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's
