@@ -484,9 +484,11 @@ def _outside_forward(rank: int, world_size: int, register: bool) -> tuple[bool, 
 def test_the_root_pre_backward_hook_reduces_a_loss_from_outside_the_forward() -> None:
     """Without the hook FSDP2 never runs its post-backward (the unit stays gathered, the gradient on the gathered
     weight); with it the unit is resharded and its shard holds the gradient, by hand d(sum(x W^T))/dW = 3."""
-    [(sharded, grad)] = run_distributed(_outside_forward, 1, False, timeout=60, start_method="fork")
+    # fresh workers, not forked: a backward through FSDP2 earlier in this process (tests/test_lightning_internals.py's
+    # unit, in the same pytest worker) leaves autograd's threads, which a forked child's backward cannot use
+    [(sharded, grad)] = run_distributed(_outside_forward, 1, False, timeout=60)
     assert not sharded
-    [(sharded, grad)] = run_distributed(_outside_forward, 1, True, timeout=60, start_method="fork")
+    [(sharded, grad)] = run_distributed(_outside_forward, 1, True, timeout=60)
     assert sharded
     torch.testing.assert_close(grad, torch.full((2, 2), 3.0))
 
@@ -524,3 +526,14 @@ def test_default_store_is_the_store_every_rank_joined_through() -> None:
         assert found and seen == "rank 0 was here"
     if not dist.is_initialized():
         assert compat.default_store() is None
+
+
+def test_tensor_hook_count_counts_both_kinds_of_gradient_hook() -> None:
+    p = nn.Parameter(torch.ones(3))
+    assert compat.tensor_hook_count(p) == 0
+    handle = p.register_hook(lambda g: g * 2)
+    p.register_post_accumulate_grad_hook(lambda t: None)
+    p.register_post_accumulate_grad_hook(lambda t: None)
+    assert compat.tensor_hook_count(p) == 3
+    handle.remove()
+    assert compat.tensor_hook_count(p) == 2

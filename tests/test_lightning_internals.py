@@ -130,6 +130,7 @@ def _owner(name: str) -> object:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     makers = {
         "c10d.allreduce_": lambda: torch.ops.c10d.allreduce_.default,
+        "Parameter": lambda: torch.nn.Parameter(torch.zeros(1)),
         "LightningModule": LightningModule,
         "LightningOptimizer": lambda: LightningOptimizer(optimizer),
         "Precision": Precision,
@@ -165,6 +166,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     # compat.compiled_call and compat.compile_call (dalle_lightning_plugins.strategies.compiled_stand_ins): a
     # stand-in of a module compiled with Module.compile() is compiled again, with the user's configuration.
     "Module": ("_compiled_call_impl", "_call_impl"),
+    # compat.tensor_hook_count (dalle_lightning_plugins.strategies.sharding): a child's parameter with a gradient hook
+    # is refused at a sharded stage, whose stand-ins would train without it.
+    "Parameter": ("_backward_hooks", "_post_accumulate_grad_hooks"),
     # compat.set_group_timeout (dalle_lightning_plugins.strategies.mesh): the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
     # ShardedPowerSGDStrategy.backward: a loss from a forward outside the root's forward gets the root's

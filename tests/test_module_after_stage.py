@@ -2,15 +2,20 @@
 
 A stranger's residual model (``tests/helpers/stranger_residual.py``) on 2 gloo processes, one launch for every case:
 
-* a fit that fails (an exception in ``training_step``) leaves the user's own children, parameter objects and
-  classes, plain whole tensors on the CPU, without the strategy's hooks, and says in one line what they hold; a new
-  Trainer's ``fit`` on it works and, with the failed fit's checkpoint, ends on ``ddp``'s weights;
+* a fit that fails (an exception in ``training_step`` on every rank) leaves the user's own children, parameter
+  objects and classes, plain whole tensors on the CPU holding ``ddp``'s weights at the failure, without the
+  strategy's hooks; a new Trainer's ``fit`` on it works and, with the failed fit's checkpoint, ends on ``ddp``'s
+  weights;
 * a fit stopped by ``trainer.should_stop`` ends on ``ddp``'s weights, its own objects; one interrupted by Ctrl-C
-  (``KeyboardInterrupt``) leaves the user's own objects, plain on the CPU, as ``ddp``;
+  (``KeyboardInterrupt``) leaves the user's own objects, plain on the CPU, holding ``ddp``'s weights;
+* a fit that fails on one rank only, its peer blocked in a collective until that times out, cannot gather: each rank
+  holds its own trained shard (``ddp``'s values there) and NaN elsewhere, said in one line (the last case: the
+  timed-out group is left broken);
 * ``test`` on whole weights starts every rank from rank 0's parameters (ranks seeded apart), as ``ddp``'s wrapper;
 * parameter groups built in ``__init__`` from the children train as under ``ddp``;
 * a forward through a child referenced before the stage (a closure over ``self.blocks[0]``) and a parameter the
-  module registers and a child holds (``self.head_w = self.out.weight``) are refused in one line.
+  module registers and a child holds (``self.head_w = self.out.weight``) are refused in one line, and so is a
+  gradient hook on a child's parameter (``p.register_hook``), which the sharded stand-ins would train without.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ HOOK_DICTS = sorted(k for k, v in vars(nn.Module()).items() if "hook" in k and i
 
 
 def stage_trainer(layout: str, **kwargs: Any) -> L.Trainer:
-    strategy = (DDPStrategy(process_group_backend="gloo") if layout == "ddp" else
-                ShardedPowerSGDStrategy(devices_per_node=2, block_classes=[Block], timeout=60))
+    strategy = kwargs.pop("strategy", None) or (
+        DDPStrategy(process_group_backend="gloo") if layout == "ddp" else
+        ShardedPowerSGDStrategy(devices_per_node=2, block_classes=[Block], timeout=60))
     defaults: dict[str, Any] = dict(accelerator="cpu", devices=WORLD, max_steps=4, logger=False,
                                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                     num_sanity_val_steps=0, use_distributed_sampler=False)
@@ -123,6 +129,14 @@ class TiedOnModule(Residual):
         self.head_w = self.out.weight
 
 
+class GradHooked(Residual):
+    """A gradient hook on a child's parameter (clipping it), which ``ddp`` runs on every backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out.weight.register_hook(lambda grad: grad.clamp(-0.01, 0.01))
+
+
 class ReadsWeights(Residual):
     def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         self.seen.append(self.inp.weight.sum().item())
@@ -140,6 +154,7 @@ def _failed_then_resumed(layout: str, rank: int, workdir: Path) -> dict[str, Any
         except RuntimeError as error:
             raised = str(error)
     out = {"raised": raised, "same_objects": _objects(module) == before, "plain": _plain(module),
+           "weights": _weights(module),
            "hooks": {n: sum(len(getattr(m, d)) for d in HOOK_DICTS) for n, m in module.named_modules()},
            "said": [str(w.message) for w in said if "ShardedPowerSGDStrategy" in str(w.message)]}
     module.training_step = Residual.training_step.__get__(module)  # the user's bug fixed: the next fit resumes
@@ -158,7 +173,32 @@ def _interrupted(layout: str, rank: int) -> dict[str, Any]:
     except SystemExit as exit_:
         code = exit_.code
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores Ctrl-C from its shutdown on
-    return {"exit": code, "same_objects": _objects(module) == before, "plain": _plain(module)}
+    return {"exit": code, "same_objects": _objects(module) == before, "plain": _plain(module),
+            "weights": _weights(module)}
+
+
+class FailsOnRank1(Residual):
+    """Raises in ``training_step`` at step 2 on rank 1 only: rank 0 goes on into the step's collectives."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 2 and self.global_rank == 1:
+            raise RuntimeError("a user's bug on one rank")
+        return super().training_step(batch, batch_idx)
+
+
+def _failed_on_one_rank(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = FailsOnRank1()
+    strategy = ShardedPowerSGDStrategy(devices_per_node=2, block_classes=[Block], timeout=3)
+    raised = ""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            stage_trainer("dpn2", strategy=strategy).fit(module, stage_loader(rank))
+        except RuntimeError as error:
+            raised = str(error).splitlines()[0]
+    return {"raised": raised, "weights": _weights(module), "plain": _plain(module),
+            "said": [str(w.message) for w in said if "ShardedPowerSGDStrategy" in str(w.message)]}
 
 
 def _stopped(layout: str, rank: int) -> dict[str, Any]:
@@ -200,6 +240,10 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     out["taps"] = _refused("dpn2", rank, Taps)
     dist.barrier()  # a refused fit leaves the ranks where they were: both start the next one together
     out["tied"] = _refused("dpn2", rank, TiedOnModule)
+    dist.barrier()
+    out["grad_hook"] = _refused("dpn2", rank, GradHooked)
+    dist.barrier()
+    out["one_rank_failed"] = _failed_on_one_rank(rank)  # last: its timed-out group is left broken
     return out
 
 
@@ -224,9 +268,28 @@ def test_a_failed_fit_leaves_the_users_module_and_the_next_fit_resumes_as_ddp(re
         assert ours["same_objects"] and ours["same_objects_after_resume"]
         assert ours["plain"] == ddp["plain"]  # plain tensors on the CPU, requires_grad as they were
         assert ours["hooks"] == ddp["hooks"]
-        assert not ddp["said"]
+        assert not ddp["said"] and not ours["said"]  # every rank was there: gathered, nothing to say
+        _assert_same(ours["weights"], ddp["weights"])  # ddp's weights at the failure, whole
         _assert_same(ours["resumed"], ddp["resumed"])
-    said = results[0][("failed", "dpn2")]["said"]  # one line, on rank 0
+
+
+def test_a_fit_failed_on_one_rank_leaves_each_rank_its_own_shard_and_says_so(results: list[dict[str, Any]]) -> None:
+    for rank, rank_out in enumerate(results):
+        ours, reference = rank_out["one_rank_failed"], rank_out[("stopped", "ddp")]["weights"]  # ddp after 2 steps
+        if rank == 1:
+            assert ours["raised"] == "a user's bug on one rank"
+        else:  # its collective timed out, waiting for rank 1
+            assert ours["raised"] and ours["raised"] != "a user's bug on one rank"
+        assert ours["plain"] == rank_out[("stopped", "ddp")]["plain"]  # plain tensors on the CPU, as ddp leaves them
+        holes = found = 0
+        for name, value in ours["weights"].items():
+            missing = value.isnan()
+            holes, found = holes + int(missing.sum()), found + int((~missing).sum())
+            # this rank's shard is ddp's value after the two steps both ranks finished; the rest is NaN, never stale
+            torch.testing.assert_close(value[~missing], reference[name][~missing], atol=1e-6, rtol=0,
+                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+        assert holes > 0 and found > 0, (rank, holes, found)  # its own shards kept, the peer's it could not gather
+    said = results[0]["one_rank_failed"]["said"]  # one line, on rank 0
     assert len(said) == 1 and "hold this rank's trained shard and NaN elsewhere" in said[0], said
 
 
@@ -242,6 +305,7 @@ def test_an_interrupted_fit_leaves_the_users_module_as_ddp(results: list[dict[st
         ours, ddp = rank_out[("interrupted", "dpn2")], rank_out[("interrupted", "ddp")]
         assert ours["exit"] == ddp["exit"] == 1
         assert ours["same_objects"] and ours["plain"] == ddp["plain"]
+        _assert_same(ours["weights"], ddp["weights"])  # gathered: every rank reached the teardown
 
 
 def test_test_on_whole_weights_starts_every_rank_from_rank_0s(results: list[dict[str, Any]]) -> None:
@@ -263,3 +327,9 @@ def test_a_forward_through_a_child_taken_before_the_stage_is_refused_in_one_line
 def test_a_parameter_on_the_module_tied_to_a_childs_is_refused_in_one_line(results: list[dict[str, Any]]) -> None:
     for rank_out in results:
         assert "TiedOnModule.head_w is out.weight" in rank_out["tied"], rank_out["tied"]
+
+
+def test_a_gradient_hook_on_a_childs_parameter_is_refused_in_one_line(results: list[dict[str, Any]]) -> None:
+    for rank_out in results:  # ddp runs it; the stand-ins would train without it
+        assert rank_out["grad_hook"].startswith("ShardedPowerSGDStrategy(devices_per_node=2): out.weight has a "
+                                                "gradient hook"), rank_out["grad_hook"]

@@ -62,6 +62,7 @@ __all__ = [
     "set_module_device_mesh",
     "subprocess_script_launcher",
     "sync_ddp_if_available",
+    "tensor_hook_count",
     "torch_version",
     "tree_map",
 ]
@@ -355,3 +356,11 @@ def default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def tensor_hook_count(tensor: Any) -> int:
+    """How many gradient hooks a user put on ``tensor`` (``Tensor.register_hook``: ``_backward_hooks``;
+    ``register_post_accumulate_grad_hook``: ``_post_accumulate_grad_hooks``); torch shows neither publicly. A
+    sharded stage refuses a child's parameter that has any: its stand-in would train without them."""
+    hooks = [getattr(tensor, "_backward_hooks", None), getattr(tensor, "_post_accumulate_grad_hooks", None)]
+    return sum(len(h) for h in hooks if h)
