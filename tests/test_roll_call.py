@@ -87,6 +87,9 @@ def test_begin_keys_each_stage_and_node_apart() -> None:
 
 def test_no_store_or_no_stage_means_alone(stores: list[dist.Store]) -> None:
     assert RollCall().all_here(stores[0]) is False  # begin never ran: a stage at one device per node
+    nobody = RollCall()
+    nobody.begin([])
+    assert nobody.all_here(stores[0]) is False
     call = RollCall(wait_s=0.1)
     call.begin([0])
     assert call.all_here(stores[0]) is True  # a node of one is always all here

@@ -48,8 +48,10 @@ class RollCall:
         self.size = 0  # ranks in the node (the store is looked up when asked: a pickled strategy holds none)
 
     def begin(self, ranks: Sequence[int]) -> None:
-        """This stage's roll call over ``ranks`` (global ranks, the node's)."""
-        self.key = f"dalle_lightning_plugins/roll_call/{next(_STAGES)}/{min(ranks)}"
+        """This stage's roll call over ``ranks`` (global ranks, the node's); none over no ranks."""
+        ranks = [int(r) for r in ranks]
+        stage = next(_STAGES)  # counted whatever the ranks: every process counts the same stages
+        self.key = f"dalle_lightning_plugins/roll_call/{stage}/{min(ranks)}" if ranks else None
         self.size = len(ranks)
 
     def all_here(self, store: Any = None) -> bool:
