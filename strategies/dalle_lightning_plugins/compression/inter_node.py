@@ -182,10 +182,11 @@ class InterNodeReduction:
 
     # ------------------------------------------------------------------ one step
 
-    def path(self, *, synchronised: bool, world_size: int, module: nn.Module | None, precision: Any,
+    def path(self, *, synchronised: bool, module: nn.Module | None, precision: Any,
              every_unit_ran_once: bool) -> ExchangePath:
-        """When this backward's gradients cross between nodes (:func:`exchange_path`), with this part's overlap."""
-        return exchange_path(synchronised=synchronised, world_size=world_size,
+        """When this backward's gradients cross between nodes (:func:`exchange_path`), with this part's world and
+        overlap."""
+        return exchange_path(synchronised=synchronised, world_size=self.world_size,
                              automatic_optimization=module is not None and bool(getattr(module, "automatic_optimization", True)),
                              precision=precision, can_overlap=self.exchange is not None and self.choice.overlap_now(),
                              every_unit_ran_once=every_unit_ran_once)

@@ -312,7 +312,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        path = self.inter_node.path(synchronised=self._synchronised_step, world_size=self.world_size, module=module,
+        path = self.inter_node.path(synchronised=self._synchronised_step, module=module,
                                     precision=self.precision_plugin, every_unit_ran_once=not irregular)
         if self._synchronised_step:
             step.overlapped = path is ExchangePath.OVERLAPPED

@@ -99,21 +99,6 @@ def materialize_stand_ins(root: ShardedRoot, device: torch.device) -> None:
     root.guards.extend(stand_ins.guard_originals(originals))
 
 
-def refuse_parameter_hooks(module: nn.Module, shard_size: int) -> None:
-    """One line before anything trains for a gradient hook on a child's parameter (``Tensor.register_hook``,
-    ``register_post_accumulate_grad_hook``): ``ddp`` runs it on every backward, but a sharded stage trains stand-ins
-    of the children, whose gradients FSDP2 reduce-scatters and sets without autograd's hooks, so it would never run,
-    without a word. The LightningModule's own parameters stay whole and keep theirs."""
-    for child_name, child in module.named_children():
-        for name, p in child.named_parameters():
-            if compat.tensor_hook_count(p):
-                raise ValueError(
-                    f"ShardedPowerSGDStrategy(devices_per_node={shard_size}): {child_name}.{name} has a gradient hook "
-                    "(Tensor.register_hook or register_post_accumulate_grad_hook), which a sharded stage never runs: "
-                    "FSDP2 trains sharded copies of the children; use a module hook (register_full_backward_hook) "
-                    "or the optimizer, or devices_per_node=1")
-
-
 def shard_stand_ins(module: nn.Module, prepare: Callable[[nn.Module], tuple[nn.Module, list[tuple[str, nn.Module]]]],
                     mesh: DeviceMesh, device: torch.device, **options: Any) -> ShardedRoot:
     """A sharded stage's root: meta stand-ins of ``module``'s children
@@ -122,7 +107,6 @@ def shard_stand_ins(module: nn.Module, prepare: Callable[[nn.Module], tuple[nn.M
     with ``options``), compiled where the user's are (:mod:`~dalle_lightning_plugins.strategies.compiled_stand_ins`)
     and filled (:func:`materialize_stand_ins`), ``self.device`` the root device. A failure on the way puts the
     user's children back as they came, then raises."""
-    refuse_parameter_hooks(module, mesh.size())
     originals = stand_ins.make_stand_ins(module, mesh.size())
     root: ShardedRoot | None = None
     try:

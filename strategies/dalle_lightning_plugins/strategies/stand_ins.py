@@ -78,6 +78,21 @@ def refuse_owner_ties(module: nn.Module, originals: dict[str, nn.Module], shard_
                 f"(self.{held[id(tensor)]}) or a property, or use devices_per_node=1")
 
 
+def refuse_parameter_hooks(originals: dict[str, nn.Module], shard_size: int) -> None:
+    """One line before anything trains: a gradient hook on a child's parameter (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``), which ``ddp`` runs on every backward, would never run in a sharded
+    stage, without a word: the stand-ins train, and FSDP2 reduce-scatters their gradients and sets them without
+    autograd's hooks. The LightningModule's own parameters stay whole and keep theirs."""
+    for child_name, child in originals.items():
+        for name, p in child.named_parameters():
+            if compat.tensor_hook_count(p):
+                raise ValueError(
+                    f"ShardedPowerSGDStrategy(devices_per_node={shard_size}): {child_name}.{name} has a gradient hook "
+                    "(Tensor.register_hook or register_post_accumulate_grad_hook), which a sharded stage never runs: "
+                    "FSDP2 trains sharded copies of the children; use a module hook (register_full_backward_hook) "
+                    "or the optimizer, or devices_per_node=1")
+
+
 # nn.Module's own state in every instance's __dict__ (its registered children, parameters, buffers, hook tables).
 _MODULE_STATE = frozenset(vars(nn.Module()))
 
@@ -114,6 +129,7 @@ def make_stand_ins(module: nn.Module, shard_size: int = 2) -> dict[str, nn.Modul
     originals = _children_with_tensors(module)
     refuse_owner_ties(module, originals, shard_size)
     refuse_listed_children(module, originals, shard_size)
+    refuse_parameter_hooks(originals, shard_size)
     memo: dict[int, Any] = {id(module): module}
     trainer = compat.attached_trainer(module)
     if trainer is not None:

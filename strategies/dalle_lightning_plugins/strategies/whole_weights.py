@@ -87,10 +87,16 @@ class WholeWeights:
             carry(module, SHARDED_ROOT_ATTR, (root, shard_size))
             return None
         whole_averages(trainer)
+        return self._gathered(module, root)  # as ddp unwraps its DistributedDataParallel: the plain module
+
+    @staticmethod
+    def _gathered(module: nn.Module, root: ShardedRoot) -> nn.Module:
+        """Collective over the node: the user's children back holding the whole trained values, the module on the
+        CPU (its own tensors, outside its children, too), nothing carried to a next Trainer."""
         plain_weights.to_plain(root, torch.device("cpu"))
         carry(module, SHARDED_ROOT_ATTR, None)
-        module.cpu()  # the module's own tensors (outside its children) too
-        return module  # as ddp unwraps its DistributedDataParallel: trainer.model is the plain module
+        module.cpu()
+        return module
 
     def on_exception(self, exception: BaseException) -> None:
         """A stage ended by a collective that failed (a lost peer, a timeout: ``lost_peer``) gathers nothing after it:
@@ -113,16 +119,12 @@ class WholeWeights:
         they gather the trained values, as after a stage that ends. Otherwise there is no collective (a peer is
         gone, or blocked in one of the step's): where the stage released a tensor's storage, it holds this rank's
         trained shard and NaN elsewhere, said in one line, with the way back (a checkpoint)."""
-        if self.roll_call.all_here():
+        if self.roll_call.all_here():  # every rank of the node is here: the collective can run
             try:
-                plain_weights.to_plain(root, torch.device("cpu"))  # a collective: every rank of the node is here
+                return self._gathered(module, root)
             except (RuntimeError, dist.DistError) as error:  # a communicator the error broke: each rank alone then
-                rank_zero_warn(f"{self.owner}: gathering the shards after the error failed ({error}".splitlines()[0]
-                               + ")")
-            else:
-                carry(module, SHARDED_ROOT_ATTR, None)
-                module.cpu()
-                return module
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                rank_zero_warn(f"{self.owner}: gathering the shards after the error failed ({first})")
         partial = plain_weights.restore_after_error(root, torch.device("cpu"))
         carry(module, SHARDED_ROOT_ATTR, None)
         module.cpu()
