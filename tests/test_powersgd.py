@@ -385,6 +385,19 @@ def test_householder_handles_rank_deficient_and_rejects_wide() -> None:
         orthogonalize(torch.randn(2, 5))
 
 
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3, 1e-6, 1e-9])
+def test_full_rank_reconstructs_small_gradients(magnitude: float) -> None:
+    """At full rank one power step reproduces M whatever its scale: eps is relative to P, so it never swamps a small
+    gradient (an absolute 1e-6 missed a 1e-6-scale M by its own size). M is tall (n > m), where P + eps*I's span
+    differs from P's."""
+    gen = torch.Generator().manual_seed(5)
+    m = magnitude * torch.randn(12, 4, generator=gen)
+    q = torch.linalg.qr(torch.randn(4, 4, generator=gen)).Q  # a fixed orthonormal Q at rank 4 = min(n, m)
+    p = orthogonalize(m @ q)
+    approx = p @ (m.T @ p).T
+    assert ((approx - m).abs().max() / m.abs().max()).item() < 1e-5
+
+
 def test_comm_dtype_clamps_infinities_to_the_format_max() -> None:
     x = torch.tensor([float("inf"), -float("inf"), 1e6, 1.5])
     assert to_comm(x, torch.float16).tolist() == [65504.0, -65504.0, 65504.0, 1.5]

@@ -6,7 +6,7 @@ same shard index on every node) through a rank-r approximation: for each gradien
 
     M <- grad + e                      (error feedback: what earlier approximations missed)
     P <- mean over replicas of M Q     (Q: m x r, a fixed Gaussian identical on every replica)
-    P <- orthonormal basis of P + eps*I   (Householder QR, fp32)
+    P <- orthonormal basis of P + eps*max|P|*I   (Householder QR, fp32; eps relative to P)
     Q' <- mean over replicas of M^T P
     grad <- P Q'^T;  e <- M - P Q'^T
 
@@ -154,7 +154,7 @@ class PowerSGD:
         warm_start: reuse the previous step's Q' as Q (the paper keeps a fixed Q; resampling hurt there).
         error_feedback: keep per-matrix fp32 error buffers and add them to the next gradient.
         comm_dtype: wire dtype of P and Q' (fp32, bf16 or fp16; infinities clamped to the format's max).
-        eps: the eps of the Householder QR of P + eps*I.
+        eps: the relative eps of the Householder QR of P + eps*max|P|*I (householder.py).
         min_compression: compress a matrix only if it shrinks by at least this factor.
         seed: seeds the fixed Q of each matrix together with its name.
         skip_group: group over which "any non-finite gradient" is agreed; None means WORLD, so every shard of
@@ -172,7 +172,7 @@ class PowerSGD:
         warm_start: bool = False,
         error_feedback: bool = True,
         comm_dtype: torch.dtype | str = torch.float32,
-        eps: float = 1e-6,
+        eps: float = 1e-7,
         min_compression: float = 2.0,
         seed: int = 0,
         skip_group: dist.ProcessGroup | None = None,

@@ -148,7 +148,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         comm_dtype: torch.dtype | str = torch.float32,
         min_compression: float = 2.0,
         seed: int = 0,
-        eps: float = 1e-6,
+        eps: float = 1e-7,
         uncompressed_patterns: Sequence[str] = (),
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = timedelta(minutes=30),
