@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
+from dalle_lightning import stored_values
 from dalle_lightning.safe_files import UnsafeFile, check_plain
+from dalle_lightning.stored_values import walk
 
 INTERPOLATION = "${"  # how OmegaConf starts an interpolation or a resolver call
 SHOWN = 40  # characters of a refused string the error line shows
@@ -32,7 +34,6 @@ class Kind:
     accepts: Callable[[Any], bool]
 
 
-POSITIVE_INT = Kind("a positive int", lambda v: type(v) is int and v > 0)
 COUNT = Kind("an int >= 0", lambda v: type(v) is int and v >= 0)
 DIGEST = Kind("a SHA-256 digest (64 lowercase hex digits)",
               lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None)
@@ -41,6 +42,19 @@ STAGE = Kind(f"one of {list(STAGES)}", lambda v: isinstance(v, str) and v in STA
 
 # The sizes later stages read through ``${meta:PATH,KEY}`` (and cli/sizes.py compares): ints, and only these.
 SIZE_KEYS = ("vocab_size", "grid_size", "image_size", "text_len", "image_grid", "text_vocab_size", "image_vocab_size")
+# The most each size may be: typed is not enough, a later stage builds what ${meta:...} hands it (vocab_size: 10**12,
+# an embedding of 10**12 rows). Sizes a model's tensors fix are checked against them too (artifacts.check_sizes);
+# these bounds hold for those they do not (a dVAE's image_size, an FSQ's product of levels). Far above the paper's
+# (text vocab 16,384, image vocab 8,192, 256 text tokens, a 32x32 grid of 256 px) and a 64k-token BPE.
+SIZE_BOUNDS = {"vocab_size": 2**20, "text_vocab_size": 2**20, "image_vocab_size": 2**20, "text_len": 2**16,
+               "image_size": 8192, "grid_size": 1024, "image_grid": 1024}
+
+
+def bounded_size(key: str) -> Kind:
+    bound = SIZE_BOUNDS[key]
+    return Kind(f"a positive int of at most {bound}", lambda v: type(v) is int and 0 < v <= bound)
+
+
 Schema = Union[Kind, Mapping[str, "Schema"]]
 # What dalle-train writes (cli/train.py model_meta, lineage.py records). Other keys are kept as plain values but
 # never served to a config.
@@ -48,40 +62,36 @@ META_SCHEMA: dict[str, Schema] = {
     "stage": STAGE,
     "parameters": COUNT,
     "sha256": DIGEST,
-    **{key: POSITIVE_INT for key in SIZE_KEYS},
+    **{key: bounded_size(key) for key in SIZE_KEYS},
     "trained_with": {
-        "dvae": {"sha256": DIGEST, "vocab_size": POSITIVE_INT, "grid_size": POSITIVE_INT},
-        "tokenizer": {"sha256": DIGEST, "vocab_size": POSITIVE_INT},
+        "dvae": {"sha256": DIGEST, "vocab_size": bounded_size("vocab_size"), "grid_size": bounded_size("grid_size")},
+        "tokenizer": {"sha256": DIGEST, "vocab_size": bounded_size("vocab_size")},
     },
 }
 
 
 def shown(value: Any) -> str:
-    """``repr(value)`` cut to :data:`SHOWN` characters: a stored value in an error line, unresolved, one line."""
-    text = repr(value)
-    return text if len(text) <= SHOWN else f"{text[:SHOWN]}..."
+    """``repr(value)`` cut to :data:`SHOWN` characters: a stored value in an error line, unresolved, one line
+    (only as much of a container is walked as is shown)."""
+    return stored_values.shown(value, SHOWN)
 
 
 def refuse_interpolations(value: Any, path: str | os.PathLike, where: str) -> None:
     """A one-line :class:`UnsafeFile` naming ``path`` and the key if any string in ``value`` (a key too) holds
     ``${``: a stored expression is never resolved, whatever reads the value later."""
-    if isinstance(value, str):
-        if INTERPOLATION in value:
-            raise UnsafeFile(f"{os.fspath(path)!r}: {where} is a string holding '${{' ({shown(value)}), an OmegaConf "
+    for visit in walk(value, where, repr(os.fspath(path))):
+        item = visit.value
+        if isinstance(item, str) and INTERPOLATION in item:
+            place = f"{visit.place} key" if visit.is_key else str(visit.place)
+            raise UnsafeFile(f"{os.fspath(path)!r}: {place} is a string holding '${{' ({shown(item)}), an OmegaConf "
                              "interpolation that could read the environment or build objects, so it was not read; "
                              "expected plain values (a file written by dalle-train)")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            refuse_interpolations(key, path, f"{where} key")
-            refuse_interpolations(item, path, f"{where}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            refuse_interpolations(item, path, f"{where}[{i}]")
 
 
 def check_values(value: Any, schema: Schema, path: str | os.PathLike, where: str) -> None:
     """``value`` against ``schema`` (a :class:`Kind`, or a dict of them per key); keys the schema does not name are
-    kept if plain. A mismatch is one :class:`UnsafeFile` line naming ``path`` and the key."""
+    kept (the caller checks the whole value is plain first: :func:`checked_meta`). A mismatch is one
+    :class:`UnsafeFile` line naming ``path`` and the key."""
     if isinstance(schema, Kind):
         if not schema.accepts(value):
             raise UnsafeFile(f"{os.fspath(path)!r}: {where}={shown(value)} is a {type(value).__name__}; expected "
@@ -93,14 +103,13 @@ def check_values(value: Any, schema: Schema, path: str | os.PathLike, where: str
     for key, item in value.items():
         if key in schema:
             check_values(item, schema[key], path, f"{where}.{key}")
-        else:
-            check_plain(item, path, f"{where}.{key}")
 
 
 def checked_meta(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """A model file's ``meta``: no stored expression, each known key of its type (see the module docstring)."""
+    """A model file's ``meta``: no stored expression, plain values, each known key of its type (see the module
+    docstring)."""
     refuse_interpolations(meta, path, "meta")
-    check_plain(meta, path, "meta")
+    check_plain(meta, path, "meta")  # before the schema: check_values leaves the keys it does not name to this
     check_values(meta, META_SCHEMA, path, "meta")
     return dict(meta)
 
@@ -113,5 +122,5 @@ def size_value(meta: Mapping[str, Any], key: str, path: str | os.PathLike) -> in
     if key not in meta:
         raise KeyError(f"{os.fspath(path)!r} has no metadata {key!r}; it has {sorted(meta)}")
     value = meta[key]
-    check_values(value, POSITIVE_INT, path, f"meta.{key}")  # checked at the read too: never a str here
+    check_values(value, bounded_size(key), path, f"meta.{key}")  # checked at the read too: never a str here
     return int(value)

@@ -28,9 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dalle_lightning import model_file_format
-from dalle_lightning.artifact_schema import checked_meta, size_value
-from dalle_lightning.model_targets import build_model, checked_config
-from dalle_lightning.safe_files import check_plain, read_data
+from dalle_lightning.artifact_schema import SIZE_KEYS, checked_meta, shown, size_value
+from dalle_lightning.model_targets import build_model, checked_config, planned_model
+from dalle_lightning.safe_files import UnsafeFile, check_plain, read_data
 
 # Which model class each stage saves (for files whose metadata predates the ``stage`` field).
 STAGE_TARGETS = {"dvae": ".models.dvae.", "prior": ".models.prior.", "clip": ".models.clip."}
@@ -96,14 +96,28 @@ def read_file(path: str | Path, tensors: bool = True) -> dict:
     # Values first, before any tensor is read: a stored expression or a stranger's _target_ is refused at once.
     checked_config(blob["config"], path)
     blob["meta"] = checked_meta(blob["meta"], path)
-    if blob["state_dict"] is None and (tensors or "sha256" not in blob["meta"]):
-        blob["state_dict"] = model_file_format.read_tensors(path)
     state = blob["state_dict"]
     if state is not None and not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v)
                                                                   for k, v in state.items())):
         raise ValueError(f"{str(path)!r}: state_dict is not a dict of named tensors; expected a file written by "
                          "dalle-train")
+    # Sizes next, before a tensor is read or a model built: the config's model (built on the meta device) has the
+    # file's tensors, and the sizes the meta records are that model's.
+    shapes = model_file_format.read_shapes(path) if state is None else {k: tuple(v.shape) for k, v in state.items()}
+    check_sizes(blob["meta"], planned_model(blob["config"], path, shapes), path)
+    if blob["state_dict"] is None and (tensors or "sha256" not in blob["meta"]):
+        blob["state_dict"] = model_file_format.read_tensors(path)
     return blob
+
+
+def check_sizes(meta: Mapping[str, Any], model: nn.Module, path: str | Path) -> None:
+    """Each size ``meta`` records (``vocab_size``, ...) that the model has too is the model's: a size a later
+    stage reads through ``${meta:...}`` is backed by the file's tensors (its bound: :data:`SIZE_BOUNDS`)."""
+    for key in SIZE_KEYS:
+        has = getattr(model, key, None)
+        if key in meta and type(has) is int and meta[key] != has:
+            raise UnsafeFile(f"{str(path)!r}: meta.{key}={shown(meta[key])}, but the model its config builds has "
+                             f"{key}={has}; expected a file written by dalle-train")
 
 
 def _meta(blob: dict) -> dict[str, Any]:

@@ -84,6 +84,9 @@ def _parse(text: str, path: str | os.PathLike, key: str) -> Any:
     except ValueError as exc:
         raise ValueError(f"{os.fspath(path)!r}: its header's {key} is not strict JSON ({str(exc).splitlines()[0]}); "
                          "expected a file written by dalle-train") from None
+    except RecursionError:  # json's parser recurses per level: a few thousand brackets
+        raise ValueError(f"{os.fspath(path)!r}: its header's {key} nests too deep to parse; expected a file written "
+                         "by dalle-train") from None
 
 
 def _broken(path: str | os.PathLike, exc: Exception) -> ValueError:
@@ -106,6 +109,15 @@ def read_values(path: str | os.PathLike) -> tuple[Any, Any]:
         raise ValueError(f"{os.fspath(path)!r} is a dalle-lightning model file of format "
                          f"{header[FORMAT_KEY][:20]!r}; expected {FORMAT_VERSION!r} (a newer release wrote it?)")
     return _parse(header["config"], path, "config"), _parse(header.get("meta", "{}"), path, "meta")
+
+
+def read_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The tensors' names and shapes, from the header alone (no tensor is read)."""
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _broken(path, exc) from None
 
 
 def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

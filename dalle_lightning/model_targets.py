@@ -14,20 +14,24 @@ target, before anything is built (only the allow-listed module is imported, to r
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import PurePath
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from dalle_lightning.artifact_schema import refuse_interpolations, shown
+from dalle_lightning import stored_values
 from dalle_lightning.safe_files import UnsafeFile, check_plain
 
 # _target_ -> (module, attribute): every model class a stage saves (conf/model/*.yaml).
@@ -49,16 +53,16 @@ def checked_config(config: Any, path: str | os.PathLike) -> tuple[str, dict[str,
                          "(a file written by dalle-train)")
     refuse_interpolations(config, path, "config")  # first: a stored expression is named as such
     target = config.get("_target_")
-    if target not in MODEL_TARGETS:
-        raise UnsafeFile(f"{where!r} asks to build {target!r}, which is not one of the project's models, so nothing "
-                         f"was built; expected _target_ one of {sorted(MODEL_TARGETS)}")
+    if not isinstance(target, str) or target not in MODEL_TARGETS:
+        raise UnsafeFile(f"{where!r} asks to build {stored_values.shown(target, 200)}, which is not one of the "
+                         f"project's models, so nothing was built; expected _target_ one of {sorted(MODEL_TARGETS)}")
     kwargs = {k: v for k, v in config.items() if k != "_target_"}
     for key, value in kwargs.items():
         if not isinstance(key, str) or key.startswith("_"):
             raise UnsafeFile(f"{where!r}: config key {key!r} for {target}; expected plain keyword arguments (no "
                              "Hydra _args_, _partial_, ... keys)")
         check_plain(value, path, f"config.{key}")
-        if "_target_" in repr(value):
+        if any(isinstance(v.value, str) and "_target_" in v.value for v in stored_values.walk(value, key, repr(where))):
             raise UnsafeFile(f"{where!r}: config.{key} holds a nested _target_; expected plain keyword arguments "
                              f"of {target}")
     check_types(target, kwargs, where)
@@ -124,8 +128,89 @@ def check_types(target: str, kwargs: Mapping[str, Any], where: str) -> None:
                          "dalle-train")
 
 
-def build_model(config: Any, path: str | os.PathLike) -> nn.Module:
-    """The model a model file's config describes, built from the allow-list (see the module docstring)."""
+def build_model(config: Any, path: str | os.PathLike,
+                shapes: Mapping[str, Sequence[int]] | None = None) -> nn.Module:
+    """The model a model file's config describes, built from the allow-list (see the module docstring); with
+    ``shapes`` (the file's tensors), only after :func:`planned_model` found that its tensors are the file's."""
     target, kwargs = checked_config(config, path)
+    if shapes is not None:
+        planned_model(config, path, shapes)
     module, attribute = MODEL_TARGETS[target]
     return getattr(importlib.import_module(module), attribute)(**kwargs)
+
+
+# Parameters and modules a model's constructor may register per tensor of its file, and beside them: a config
+# that asks for more (a million layers) is refused while it is built on the meta device, before it costs more
+# than the file's own size in Python objects.
+BUILD_SLACK = 4
+BUILD_BASE = 1000
+
+
+@contextlib.contextmanager
+def bounded_registrations(limit: int, where: str, target: str) -> Iterator[None]:
+    """Refuse (one :class:`UnsafeFile` line) once a constructor run inside registers more than ``limit``
+    parameters or modules: torch's global registration hooks, removed again on the way out."""
+    counts = {"parameters": 0, "modules": 0}
+
+    def counted(kind: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            counts[kind] += 1
+            if counts[kind] > limit:
+                raise UnsafeFile(f"{where!r}: its config builds a {target} of more than {limit} {kind}, more "
+                                 "than its tensors could fill, so no model was built; expected a file written by "
+                                 "dalle-train")
+        return hook
+
+    handles = [register_module_parameter_registration_hook(counted("parameters")),
+               register_module_module_registration_hook(counted("modules"))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def planned_model(config: Any, path: str | os.PathLike, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
+    """The model ``config`` describes, built on the meta device (no memory, no initialisation), once its tensors'
+    names and shapes are found equal to ``shapes`` (the file's): a config whose sizes its tensors do not back
+    (``d_head=20000`` and no tensors: 7.3 GB built and initialised before ``load_state_dict`` noticed) is one
+    :class:`UnsafeFile` line naming the first difference, before any real model is built."""
+    target, kwargs = checked_config(config, path)
+    where = os.fspath(path)
+    module, attribute = MODEL_TARGETS[target]
+    build = getattr(importlib.import_module(module), attribute)
+    if target == CLIP_TARGET:
+        kwargs["device"] = "meta"
+    try:
+        with bounded_registrations(BUILD_SLACK * len(shapes) + BUILD_BASE, where, target), torch.device("meta"):
+            model = build(**kwargs)
+        planned = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    except UnsafeFile:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the constructor makes of sizes it cannot build
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UnsafeFile(f"{where!r}: its config builds no {target} ({type(exc).__name__}: {first}); expected a "
+                         "file written by dalle-train") from None
+    problem = shape_difference(planned, {name: tuple(shape) for name, shape in shapes.items()})
+    if problem is not None:
+        raise UnsafeFile(f"{where!r}: its tensors are not those of the {target} its config builds ({problem}), so "
+                         "no model was built; expected a file written by dalle-train")
+    return model
+
+
+def shape_difference(planned: Mapping[str, tuple[int, ...]], stored: Mapping[str, tuple[int, ...]]) -> str | None:
+    """How the tensors ``stored`` (name: shape) differ from those a model ``planned``, in a few words; None if
+    they are the same names and shapes (what ``load_state_dict`` would check, before anything is allocated)."""
+    missing = [name for name in planned if name not in stored]
+    unexpected = [name for name in stored if name not in planned]
+    resized = [name for name in planned if name in stored and planned[name] != stored[name]]
+    parts = []
+    if resized:
+        name = resized[0]
+        parts.append(f"{len(resized)} of another shape, first {name!r}: {list(stored[name])} where the model has "
+                     f"{list(planned[name])}")
+    if missing:
+        parts.append(f"{len(missing)} missing, first {missing[0]!r} of shape {list(planned[missing[0]])}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected, first {stored_values.shown(unexpected[0], 80)}")
+    return "; ".join(parts) or None

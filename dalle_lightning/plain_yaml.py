@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from dalle_lightning.stored_values import walk
+
 INTERPOLATION = "${"
 # Hydra's YAML in a run directory is a few kilobytes (a whole composed config in multirun.yaml); a file beyond this
 # is none of them, and is refused before it is read.
@@ -42,8 +44,9 @@ class StoredInterpolation(ValueError):
 def read_yaml(path: str | os.PathLike) -> Any:
     """The YAML document at ``path`` as plain Python values (``yaml.safe_load``; None for an empty file).
 
-    A file that is not YAML, asks for a Python object (``!!python/...``), holds an anchor or alias, is not a regular
-    file or is over :data:`MAX_YAML_BYTES` is a one-line ``ValueError`` naming it."""
+    A file that is not YAML, asks for a Python object (``!!python/...``), holds an anchor or alias, nests too deep
+    for the parser, is not a regular file or is over :data:`MAX_YAML_BYTES` is a one-line ``ValueError`` naming
+    it."""
     if not os.path.isfile(path):
         raise ValueError(f"{os.fspath(path)!r} is not a regular file; expected the YAML file Hydra wrote there")
     size = os.path.getsize(path)
@@ -59,22 +62,22 @@ def read_yaml(path: str | os.PathLike) -> Any:
                          "there") from None
     except UnicodeDecodeError:
         raise ValueError(f"{os.fspath(path)!r} is not UTF-8 text; expected the YAML file Hydra wrote there") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ValueError(f"{os.fspath(path)!r} nests its values too deep to read; expected the YAML file Hydra "
+                         "wrote there") from None
 
 
-def interpolations(value: Any, where: str = "") -> Iterator[str]:
-    """The keys (``a.b[2]``) of every string in ``value`` (and of every dict key) that holds ``${``."""
-    if isinstance(value, str):
-        if INTERPOLATION in value:
-            yield where or "(the document)"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            name = f"{where}.{key}" if where else str(key)
-            if isinstance(key, str) and INTERPOLATION in key:
-                yield f"{where}.<key>" if where else "<key>"
-            yield from interpolations(item, name)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from interpolations(item, f"{where}[{i}]")
+def interpolations(value: Any, where: str = "", named: str = "a stored value") -> Iterator[str]:
+    """The keys (``a.b[2]``) of every string in ``value`` (and of every dict key) that holds ``${``; walked by
+    :func:`~dalle_lightning.stored_values.walk` (each shared container once; ``named``, the file, in its refusal
+    of a value too deep or too large)."""
+    for visit in walk(value, where, named):
+        item = visit.value
+        if isinstance(item, str) and INTERPOLATION in item:
+            if not visit.is_key:
+                yield str(visit.place) or "(the document)"
+            else:
+                yield f"{visit.place}.<key>" if str(visit.place) else "<key>"
 
 
 def refuse_stored(value: Any, path: str | os.PathLike, where: str = "", fix: str = "a file this project wrote",
@@ -82,9 +85,9 @@ def refuse_stored(value: Any, path: str | os.PathLike, where: str = "", fix: str
     """Raise a one-line :class:`StoredInterpolation` naming ``path`` (after ``what``, e.g. ``resume: checkpoint``)
     and the first key of ``value`` whose string holds ``${``; nothing of the string itself is printed (its text
     may name a secret's variable), let alone what it would resolve to."""
-    found = next(interpolations(value, where), None)
+    named = f"{what} {os.fspath(path)!r}" if what else repr(os.fspath(path))
+    found = next(interpolations(value, where, named), None)
     if found is not None:
-        named = f"{what} {os.fspath(path)!r}" if what else repr(os.fspath(path))
         raise StoredInterpolation(f"{named}: {found} holds an interpolation (${{...}}), which is never resolved "
                                   f"from a file, so the file was not used; expected plain values: {fix}")
 

@@ -14,6 +14,7 @@ decides what gets built.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from collections.abc import Iterable
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-from dalle_lightning_plugins.io.refusal import refused_global
+from dalle_lightning.stored_values import shown, walk
+from dalle_lightning_plugins.io.refusal import inflated_record, refused_global
 
 class UnsafeFile(ValueError):
     """A file that asks for more than data when opened (a global outside the allow-list, a config target that is
@@ -37,9 +39,14 @@ def refusal(path: str | os.PathLike, name: str, what: str, fix: str) -> UnsafeFi
 def load_data(path: str | os.PathLike, what: str = "file", fix: str = "use a file this project wrote",
               mmap: bool = False, allowed: Iterable[Any] = ()) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, with ``allowed`` (classes) added for this call only;
-    a refused global is a one-line :class:`UnsafeFile` naming ``what`` and ``path`` and ending with ``fix``. Other
-    errors (a file that is not a torch save: torch's unpickler refuses its first byte as an unsupported operand)
-    are left to the caller, which knows what the file should be; nothing of the file ran either way."""
+    a refused global, or a zip record that is compressed (torch would inflate it whole: refused unread), is a
+    one-line :class:`UnsafeFile` naming ``what`` and ``path`` and ending with ``fix``. Other errors (a file that is
+    not a torch save: torch's unpickler refuses its first byte as an unsupported operand) are left to the caller,
+    which knows what the file should be; nothing of the file ran either way."""
+    problem = inflated_record(path)
+    if problem is not None:
+        raise UnsafeFile(f"{what} {os.fspath(path)!r}: {problem}, so it was not read; expected a file of tensors and "
+                         f"plain values: {fix}")
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -66,19 +73,19 @@ PLAIN_SCALARS = (str, int, float, bool, type(None))
 
 def check_plain(value: Any, path: str | os.PathLike, where: str) -> None:
     """Raise a one-line :class:`UnsafeFile` unless ``value`` is a plain JSON value (str, int, float, bool, None,
-    lists of them, dicts with str keys), naming ``path`` and the first offending entry (``where`` is its key)."""
-    if isinstance(value, PLAIN_SCALARS):
-        return
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, path, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise UnsafeFile(f"{os.fspath(path)!r}: {where} has the key {key!r} of type {type(key).__name__}; "
+    lists of them, dicts with str keys; floats finite, as strict JSON has them), naming ``path`` and the first
+    offending entry (``where`` is its key). Walked by :func:`~dalle_lightning.stored_values.walk`: each shared
+    container once, at a bounded depth and expanded size."""
+    named = repr(os.fspath(path))
+    for visit in walk(value, where, named):
+        item, place = visit.value, visit.place
+        if visit.is_key:
+            if not isinstance(item, str):
+                raise UnsafeFile(f"{named}: {place} has the key {shown(item, 200)} of type {type(item).__name__}; "
                                  "expected str keys (plain JSON values)")
-            check_plain(item, path, f"{where}.{key}")
-        return
-    raise UnsafeFile(f"{os.fspath(path)!r}: {where} holds a {type(value).__name__}; expected plain JSON values "
-                     "(str, int, float, bool, null, lists, dicts)")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise UnsafeFile(f"{named}: {place}={item!r} is not a finite number, so it was not used; expected plain "
+                             "JSON values (numbers are finite)")
+        elif not isinstance(item, PLAIN_SCALARS + (list, tuple, dict)):
+            raise UnsafeFile(f"{named}: {place} holds a {type(item).__name__}; expected plain JSON values "
+                             "(str, int, float, bool, null, lists, dicts)")

@@ -67,7 +67,9 @@ def test_a_file_written_before_still_opens_as_data_with_the_same_digest(tmp_path
 
 
 def test_tied_weights_are_written_once_each_and_load_back(tmp_path: Path) -> None:
-    """safetensors refuses tensors sharing memory; a tied or viewed weight is written as its own copy."""
+    """safetensors refuses tensors sharing memory; a tied or viewed weight is written as its own copy. (Tensors
+    the model does not have make a file no reader accepts: ``read_file`` checks them against the model's.)"""
+    from dalle_lightning import model_file_format
     from dalle_lightning.artifacts import read_file, save_model
 
     model = _tiny_dvae()
@@ -75,9 +77,12 @@ def test_tied_weights_are_written_once_each_and_load_back(tmp_path: Path) -> Non
     first = next(k for k, v in state.items() if v.dim() == 4)
     state["tied"] = state[first]  # the same tensor under two names
     state["view"] = state[first][0]  # part of another tensor's storage
-    read = read_file(save_model(tmp_path / "m.pt", TINY_DVAE_CONFIG, model, meta=META, state_dict=state))
-    assert torch.equal(read["state_dict"]["tied"], state[first])
-    assert torch.equal(read["state_dict"]["view"], state[first][0])
+    read = model_file_format.read_tensors(save_model(tmp_path / "m.pt", TINY_DVAE_CONFIG, model, meta=META,
+                                                     state_dict=state))
+    assert torch.equal(read["tied"], state[first])
+    assert torch.equal(read["view"], state[first][0])
+    with pytest.raises(ValueError, match=r"its tensors are not those of .* \(2 unexpected, first 'tied'\)"):
+        read_file(tmp_path / "m.pt")
 
 
 @pytest.mark.parametrize("meta,key,expected", [

@@ -75,12 +75,30 @@ def one_line_errors(main: Callable[[DictConfig], Any]) -> Callable[[DictConfig],
             if isinstance(exc, InterpolationResolutionError):  # a ValueError too: a value an artifact gives
                 fail(_hydra_error_line(exc))
             fail(str(exc) or type(exc).__name__)
+        except (RecursionError, MemoryError) as exc:  # an input nested or sized past what a reader could hold
+            if os.environ.get("DALLE_DEBUG"):
+                raise
+            fail(resource_line(exc))
         except RuntimeError as exc:  # torch.distributed.DistError and the strategies' PeerLost are ones
+            if not os.environ.get("DALLE_DEBUG") and CPU_ALLOCATION_FAILED in str(exc):
+                fail(resource_line(exc))
             if os.environ.get("DALLE_DEBUG") or not lost_peer(exc):
                 raise  # a bug: its traceback on stderr, exit code 1
             lost_peer_exit(exc)
 
     return wrapper
+
+
+CPU_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's RuntimeError for a failed malloc
+
+
+def resource_line(exc: BaseException) -> str:
+    """One line for a command that ran out of stack or memory (a value nested thousands deep, a size that asks
+    for more memory than there is), never a traceback of thousands of frames."""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    what = "nests deeper" if isinstance(exc, RecursionError) else "asks for more memory"
+    return (f"an input {what} than this command can read ({type(exc).__name__}{': ' + first if first else ''}); "
+            "expected inputs a dalle-lightning command wrote (DALLE_DEBUG=1 shows where)")
 
 
 QUIET_WARNINGS = (

@@ -181,24 +181,91 @@ def spec_of(model: nn.Module) -> dict[str, Any]:
 
 def from_spec(spec: dict[str, Any], state_dict: dict[str, torch.Tensor] | None = None,
               path: str | os.PathLike = "open_clip_spec") -> nn.Module:
-    """Rebuild a model from its spec (as stored in the checkpoint ``path``), registering its config under its name.
+    """Rebuild a model from its spec (as stored in the checkpoint ``path``), from the spec's own architecture.
 
     The spec carries the architecture, so its name need not be known here, but it must be a plain name: asked
-    for ``local-dir:``/``hf-hub:`` names, open_clip would read another folder or download."""
+    for ``local-dir:``/``hf-hub:`` names, open_clip would read another folder or download. Nothing is registered
+    with open_clip: a spec whose config is not the one its name has here is built from its config directly, so a
+    checkpoint never changes what a name builds later in the process. With ``state_dict``, the model is first built
+    on the meta device and its tensors' names and shapes compared with the checkpoint's (one line if they
+    differ), before any memory is spent on it."""
     name = check_file_model_name(spec["name"], path, "open_clip_spec.name", registered=False)
-    if open_clip.get_model_config(name) != spec["model_cfg"]:  # a config unknown in this process, or another one
-        register_config(name, spec["model_cfg"])
-    model = create(name)
+    _ensure_default_registered()
+    model_cfg, preprocess_cfg = spec["model_cfg"], spec.get("preprocess_cfg")
+    known = open_clip.get_model_config(name) == model_cfg
+    if not known:
+        _check_own_config(model_cfg, path)
+
+    def build(device: str) -> nn.Module:
+        if known:
+            return create(name, device=device)
+        return _create_from_config(model_cfg, preprocess_cfg, device)
+
+    if state_dict is not None:
+        from dalle_lightning.model_targets import shape_difference
+        from dalle_lightning.safe_files import UnsafeFile
+
+        try:
+            planned = {k: tuple(v.shape) for k, v in build("meta").state_dict().items()}
+        except Exception as exc:  # noqa: BLE001 - whatever open_clip makes of a config it cannot build
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise UnsafeFile(f"{os.fspath(path)!r}: its open_clip_spec builds no model ({type(exc).__name__}: "
+                             f"{first}); expected a checkpoint dalle-train stage=clip wrote") from None
+        problem = shape_difference(planned, {k: tuple(v.shape) for k, v in state_dict.items()})
+        if problem is not None:
+            raise UnsafeFile(f"{os.fspath(path)!r}: its tensors are not those of the model its open_clip_spec "
+                             f"builds ({problem}), so no model was built; expected a checkpoint dalle-train "
+                             "stage=clip wrote")
+    model = build("cpu")
     if state_dict is not None:
         model.load_state_dict(state_dict)
     model.open_clip_spec = {**spec, "name": name}
     return model
 
 
+OWN_CONFIG_KEYS = ("embed_dim", "vision_cfg", "text_cfg")
+# What would make open_clip read or download something else: a timm or Hugging Face tower, an HF tokenizer.
+ELSEWHERE = (("vision_cfg", "timm_model_name"), ("text_cfg", "hf_model_name"), ("text_cfg", "hf_tokenizer_name"),
+             ("text_cfg", "tokenizer_kwargs"))
+
+
+def _check_own_config(model_cfg: Any, path: str | os.PathLike) -> None:
+    """A spec's own architecture (not the one its name has here) builds open_clip's own towers only."""
+    from dalle_lightning.safe_files import UnsafeFile
+
+    if not isinstance(model_cfg, dict) or not all(isinstance(model_cfg.get(k), dict) or k == "embed_dim"
+                                                  for k in OWN_CONFIG_KEYS) or "embed_dim" not in model_cfg:
+        raise UnsafeFile(f"{os.fspath(path)!r}: open_clip_spec.model_cfg is not an open_clip config; expected "
+                         f"the keys {list(OWN_CONFIG_KEYS)} (a checkpoint dalle-train stage=clip wrote)")
+    for tower, key in ELSEWHERE:
+        if key in model_cfg[tower]:
+            raise UnsafeFile(f"{os.fspath(path)!r}: open_clip_spec.model_cfg.{tower}.{key} asks open_clip for a "
+                             "tower or tokenizer from elsewhere, so nothing was built; expected a config of "
+                             "open_clip's own towers, or a model name known here")
+
+
+def _create_from_config(model_cfg: dict[str, Any], preprocess_cfg: dict[str, Any] | None,
+                        device: str) -> nn.Module:
+    """An open_clip model from the config itself (what ``open_clip.create_model`` builds for a registered name,
+    in fp32, without weights), never registered under a name."""
+    cfg = deepcopy(model_cfg)
+    custom_text = cfg.pop("custom_text", False)
+    model_class = (open_clip.CoCa if "multimodal_cfg" in cfg else open_clip.CustomTextCLIP) if custom_text \
+        else open_clip.CLIP
+    with torch.device(device):
+        model = model_class(**cfg, cast_dtype=None)
+    if preprocess_cfg is not None:
+        open_clip.set_model_preprocess_cfg(model, dict(preprocess_cfg))
+    return model
+
+
 def tokenizer_for(model: nn.Module) -> Any:
-    """The open_clip tokenizer of ``model`` (its BPE vocabulary ships with open_clip, so no download)."""
+    """The open_clip tokenizer of ``model`` (its BPE vocabulary ships with open_clip, so no download); for a
+    model built from a spec whose config is not its name's here, open_clip's own BPE tokenizer."""
     spec = spec_of(model)
     context_length = spec["model_cfg"]["text_cfg"].get("context_length")
+    if open_clip.get_model_config(spec["name"]) != spec["model_cfg"]:
+        return open_clip.SimpleTokenizer(context_length=context_length or open_clip.tokenizer.DEFAULT_CONTEXT_LENGTH)
     return open_clip.get_tokenizer(spec["name"], context_length=context_length)
 
 

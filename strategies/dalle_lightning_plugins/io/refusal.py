@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import zipfile
 from typing import Any
 
 import torch
@@ -58,12 +59,42 @@ def refusal(path: Any, exc: BaseException, part: str = "") -> CheckpointRefused:
                              f"nothing of it ran; {TRUST_HINT}")
 
 
+def inflated_record(source: Any) -> str | None:
+    """Why the torch zip ``source`` (a path or a seekable file) must not be read, or None: a record that is
+    compressed (``torch.save`` stores every record as it is, so a DEFLATEd one is crafted, and torch would inflate
+    it whole: a megabyte on disk, a gigabyte in memory) or that claims more bytes than the archive holds. Read
+    from the zip's central directory only, which torch's reader follows too; a file that is not a zip (torch's
+    legacy format, a truncated file) is left to ``torch.load``, which says what it is."""
+    position = source.tell() if hasattr(source, "tell") else None
+    try:
+        with zipfile.ZipFile(source) as archive:
+            end = archive.start_dir  # where the records end and the central directory begins
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:
+                    return (f"its record {info.filename!r} is compressed ({info.compress_size} bytes inflating to "
+                            f"{info.file_size}), which torch.save never writes")
+                if info.file_size != info.compress_size or info.header_offset + info.file_size > end:
+                    return (f"its record {info.filename!r} claims {info.file_size} bytes that the archive does not "
+                            "hold")
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, OverflowError):
+        return None
+    finally:
+        if position is not None:
+            source.seek(position)
+    return None
+
+
 def torch_load(source: Any, path: Any, weights_only: bool | None, part: str = "", **kwargs: Any) -> Any:
     """``torch.load(source, weights_only=weights_only)``, torch's refusal turned into :func:`refusal`'s one line.
 
     ``weights_only=None`` is passed on as None: torch then applies its own default (True since 2.6, or what
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` say), exactly as Lightning's
-    ``ddp`` loads a local file."""
+    ``ddp`` loads a local file. A zip with a compressed record (:func:`inflated_record`) is refused unread."""
+    problem = inflated_record(source)
+    if problem is not None:
+        where = f"{os.fspath(path)!r}" + (f" ({part})" if part else "")
+        raise CheckpointRefused(f"refusing checkpoint {where}: {problem}, so it was not read; expected a checkpoint "
+                                "torch.save wrote")
     try:
         return torch.load(source, weights_only=weights_only, **kwargs)
     except pickle.UnpicklingError as exc:
