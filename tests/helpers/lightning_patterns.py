@@ -196,6 +196,13 @@ class Manual(Base):
         return torch.optim.SGD(body, lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=0.02)
 
 
+class LineSearch(Base):
+    """LBFGS, whose ``step`` evaluates the closure several times (Lightning passes it the training step's)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
 class _Blocks(nn.Sequential):
     """A user's own container of blocks, with its own ``forward`` (torch 2.9 compiles no frame of torch's own
     modules: ``nn.Sequential(...).compile()`` runs eagerly there, under any strategy)."""
@@ -248,6 +255,7 @@ PATTERNS: dict[str, type[Base]] = {
     "configure_model": ConfigureModel,
     "accumulating": Accumulating,
     "manual": Manual,
+    "line_search": LineSearch,
     "compiled_child": CompiledChild,
 }
 

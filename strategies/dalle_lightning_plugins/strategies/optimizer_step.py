@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -23,6 +24,42 @@ from dalle_lightning_plugins.protocol import UnscalingPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+
+# Optimizers whose ``step`` evaluates the closure more than once (a line search): here the closure's forward and
+# backward run once, before the inter-node average, so a second evaluation would see the first one's gradients;
+# and they read each gradient whole (LBFGS's ``p.grad.view(-1)``), which a sharded gradient is not.
+REEVALUATING_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+
+
+def refuse_reevaluating_optimizers(optimizers: list[Optimizer], strategy: str) -> None:
+    """One line at setup, before any step, for an optimizer that re-evaluates its closure (:data:`REEVALUATING_OPTIMIZERS`)."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, REEVALUATING_OPTIMIZERS):
+            raise ValueError(
+                f"{strategy}: configure_optimizers returned {type(optimizer).__name__}, which evaluates its closure "
+                "several times per step and reads each gradient whole, while this strategy runs forward and backward "
+                "once per step, before the inter-node average, and holds gradients as shards; expected an optimizer "
+                "that evaluates the closure once (SGD, Adam, AdamW, ...), or strategy='ddp' for "
+                f"{type(optimizer).__name__}")
+
+
+def _once(result: Any, optimizer: Optimizer) -> Callable[[], Any]:
+    """The closure the optimizer gets after forward and backward already ran: their result, once. A second call
+    (an optimizer that re-evaluates, e.g. sharpness-aware minimisation) would get stale gradients: one line instead."""
+    called = False
+
+    def closure() -> Any:
+        nonlocal called
+        if called:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step evaluated its closure a second time; under this strategy forward "
+                "and backward run once per step, before the inter-node average, so a second evaluation would reuse "
+                "the first one's gradients; expected an optimizer that evaluates the closure once, or strategy='ddp'")
+        called = True
+        return result
+
+    return closure
 
 
 class AveragedStep:
@@ -54,11 +91,11 @@ class AveragedStep:
             # collectives or none does.
             if precision.unscale_and_flag(optimizer) and not self.take_reduction(reduce):
                 precision.mark_nonfinite()
-            return base_step(optimizer, lambda: result, model, **kwargs)
+            return base_step(optimizer, _once(result, optimizer), model, **kwargs)
         if not self.take_reduction(reduce):
             optimizer.zero_grad(set_to_none=True)
             return result
-        return base_step(optimizer, lambda: result, model, **kwargs)
+        return base_step(optimizer, _once(result, optimizer), model, **kwargs)
 
     def _scaled_step(self, precision: MixedPrecision, optimizer: Optimizer, result: Any,
                      model: pl.LightningModule | nn.Module | None, reduce: Callable[[], bool], **kwargs: Any) -> Any:

@@ -45,6 +45,7 @@ from typing_extensions import override
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.io.checkpoint_io import atomic_io
 from dalle_lightning_plugins.io.dcp_checkpoint import export_full_state_dict
+from dalle_lightning_plugins.strategies.optimizer_step import refuse_reevaluating_optimizers
 from dalle_lightning_plugins.strategies.precision_choice import check_precision_plugin
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's and Lightning's default for a process group
@@ -165,6 +166,7 @@ class ShardedParallelStrategy(ParallelStrategy):
         self.optimizers = []
         self.lr_scheduler_configs = []
         super().setup_optimizers(trainer)
+        refuse_reevaluating_optimizers(self.optimizers, type(self).__name__)
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,58 @@
+"""The sharding strategies run forward and backward once per step, before the inter-node average, and hand the
+optimizer a closure that returns that result. An optimizer that evaluates its closure again (a line search, LBFGS;
+sharpness-aware minimisation) would get the first evaluation's gradients as if fresh: it is refused in one line, never
+stepped on stale values. LBFGS at setup: ``tests/test_module_patterns.py`` (``line_search``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import Precision
+
+from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep, refuse_reevaluating_optimizers
+
+
+class TwoEvaluations(torch.optim.SGD):
+    """Evaluates the closure twice per step, as sharpness-aware minimisation does (ascend, then descend)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        closure()
+        return super().step(closure)
+
+
+def _step(optimizer: torch.optim.Optimizer) -> Any:
+    runs = []
+
+    def closure() -> torch.Tensor:  # the forward and backward Lightning hands the strategy
+        runs.append(1)
+        return torch.tensor(1.0)
+
+    out = AveragedStep().step(optimizer, closure, None, precision=Precision(), module=None,
+                              base_step=lambda opt, clo, model, **kw: opt.step(clo), reduce=lambda: True)
+    return out, len(runs)
+
+
+def test_one_evaluation_steps_with_the_backward_that_ran() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    out, runs = _step(torch.optim.SGD([weight], lr=0.5))
+    assert runs == 1 and out.item() == 1.0 and weight.tolist() == [0.5, 0.5]
+
+
+def test_a_second_evaluation_is_one_line_not_stale_gradients() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="TwoEvaluations.step evaluated its closure a second time") as raised:
+        _step(TwoEvaluations([weight], lr=0.5))
+    assert "\n" not in str(raised.value)
+    assert weight.tolist() == [1.0, 1.0]  # no update taken on the stale gradients
+
+
+def test_lbfgs_is_refused_in_one_line() -> None:
+    lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="ShardedPowerSGDStrategy: configure_optimizers returned LBFGS") as raised:
+        refuse_reevaluating_optimizers([torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), lbfgs],
+                                       "ShardedPowerSGDStrategy")
+    assert "\n" not in str(raised.value) and "strategy='ddp'" in str(raised.value)
