@@ -52,9 +52,12 @@ def write_marker(folder: str | os.PathLike, kind: str, **record: Any) -> None:
 
 
 def _shard_members(path: Path) -> set[str]:
-    """Extensions of the first sample's members in a tar shard (empty if unreadable)."""
+    """Extensions of the first sample's members in a tar shard (empty if unreadable). Names only, from a plain tar
+    (``r:``: a compressed stream is never inflated, and no member is read; the headers are found by seeking)."""
+    if not path.is_file():
+        return set()  # a device or FIFO named as a shard would never end
     try:
-        with tarfile.open(path) as tar:
+        with tarfile.open(path, "r:") as tar:
             names = [member.name for _, member in zip(range(4), tar)]
     except (OSError, tarfile.TarError):
         return set()

@@ -34,12 +34,12 @@ from dalle_lightning.data.resumable_loader import ResumableLoader
 from dalle_lightning.data.shards import consumer_index, split_for
 from dalle_lightning.data.skips import SharedCounts, SkipCounter, read_shards
 from dalle_lightning.data.splits import Split, probe, resolve_splits
+from dalle_lightning.data.tar_members import IMAGE_KEYS
 from dalle_lightning.data.transforms import (CONVERSIONS, WHITE, ImageTooLarge, background_colour, center_square_resize,
                                              decode_image, paper_augment, to_tensor)
 
 log = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
 EPOCH_KEY = "__epoch__"  # set on every raw sample: per-sample draws (augmentation) depend on (seed, epoch, sample)
 
 
@@ -89,9 +89,7 @@ class ShardStream(IterableDataset):
         by_sample = self.split == "samples" and consumers > 1
         mine = urls if by_sample else split_for(urls, self.rank, self.world_size)
         # Every consumer reads every shard in the "samples" split: only the first counts a shard it cannot read.
-        stream = read_shards(mine, self.skipped if not by_sample or consumer == 0 else None)
-        if self.keep is not None:
-            stream = (sample for sample in stream if self.keep(sample))
+        stream = read_shards(mine, self.skipped if not by_sample or consumer == 0 else None, self.keep)
         stream = ({**sample, EPOCH_KEY: self.epoch} for sample in stream)
         if self.shuffle:
             stream = wds.filters._shuffle(stream, self.shuffle, initial=min(100, self.shuffle), rng=rng)

@@ -12,7 +12,9 @@ other's. Under ``rank_split=samples`` every rank has its own bitmap, and a bad s
 epochs counts once on each.
 
 Shard-level failures are counted once per shard: an empty file, a file that is not a tar, and a truncated tar
-(which Python's stream reader ends silently at a cut header, so the file's end is checked too).
+(which Python's stream reader ends silently at a cut header, so the file's end is checked too); a compressed stream,
+which is never decompressed (``data.tar_members``). A member larger than its bound is never read: its sample is
+skipped and counted (``image too large`` for an image, ``member too large`` for any other member).
 """
 
 from __future__ import annotations
@@ -20,20 +22,25 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.utils.data
-import webdataset as wds
+from webdataset.tariterators import group_by_keys
+
+from dalle_lightning.data.tar_members import CompressedShard, TooLarge, open_shard, shard_files
 
 log = logging.getLogger(__name__)
 
 REASONS = (
     "unreadable shard",
+    "compressed shard",  # a gzip, bzip2, xz or zstd stream (under any name): never decompressed
+    "member too large",  # a caption, json or token array over data.tar_members.MAX_MEMBER_BYTES: never read
     "missing image",
     "corrupt image",
-    "image too large",  # more pixels than data.transforms.MAX_IMAGE_PIXELS: a decompression bomb, never decoded
+    "image too large",  # more pixels than data.transforms.MAX_IMAGE_PIXELS (a decompression bomb, never decoded), or
+    #                     more bytes than data.tar_members.MAX_IMAGE_BYTES (never read)
     "missing caption",
     "caption is not UTF-8",
     "empty caption",
@@ -115,14 +122,44 @@ def truncated(url: str) -> bool:
         return any(f.read(2 * TAR_BLOCK))
 
 
-def read_shards(urls: list[str], skipped: SkipCounter | None) -> Iterator[dict[str, Any]]:
-    """The raw samples of ``urls``, shard after shard; a shard that fails is counted once as unreadable (its
-    readable samples, if any, still come through)."""
+def read_shards(urls: list[str], skipped: SkipCounter | None,
+                keep: Callable[[dict[str, Any]], bool] | None = None) -> Iterator[dict[str, Any]]:
+    """The raw samples of ``urls`` (those ``keep`` keeps), shard after shard, read as plain tars at a bounded cost
+    (``data.tar_members``). A shard that fails is counted once as unreadable (its readable samples, if any, still
+    come through), a compressed one as compressed (none of it read); a sample with a member over its bound is
+    skipped and counted, its member unread."""
     for url in urls:
         errors: list[Exception] = []
-        yield from wds.tarfile_samples([{"url": url}], handler=lambda exn: errors.append(exn) or True)
-        if (errors or truncated(url)) and skipped is not None:
-            detail = f"{type(errors[0]).__name__}: {errors[0].args[0]}" if errors else "truncated tar"
-            skipped.skip("unreadable shard", url, detail)
-        elif errors:
-            log.warning("unreadable shard %s: %s", url, errors[0])
+        try:
+            stream = open_shard(url)
+        except CompressedShard as exc:
+            _shard_failed(skipped, "compressed shard", url, str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a shard that cannot be opened is counted, never fatal
+            stream, errors = None, [exc]
+        if stream is not None:
+            try:
+                files = shard_files(url, stream, errors.append)
+                for sample in group_by_keys(files, handler=lambda exn: errors.append(exn) or True):
+                    if keep is not None and not keep(sample):
+                        continue
+                    large = next((v for v in sample.values() if isinstance(v, TooLarge)), None)
+                    if large is None:
+                        yield sample
+                    elif skipped is not None:
+                        skipped.skip(large.reason, f"{url}:{sample.get('__key__', '?')}", large.describe())
+            finally:
+                stream.close()
+        if errors:
+            _shard_failed(skipped, "unreadable shard", url,
+                          f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else ''}")
+        elif skipped is not None and truncated(url):
+            skipped.skip("unreadable shard", url, "truncated tar")
+
+
+def _shard_failed(skipped: SkipCounter | None, reason: str, url: str, detail: str) -> None:
+    """Count a shard that gave no (or not all of its) samples, or log it where no counter is kept."""
+    if skipped is not None:
+        skipped.skip(reason, url, detail)
+    else:
+        log.warning("%s %s: %s", reason, url, detail)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,11 @@ import torch
 from dalle_lightning.data.datamodule import ImageTextDataModule, ShardStream
 from dalle_lightning.data.shards import is_remote
 from dalle_lightning.data.splits import Split
+from dalle_lightning.data.tar_members import open_shard, shard_files
 from dalle_lightning.outputs import read_marker
 
 SCENE_KEYS = {"caption", "relation", "objects"}  # the shapes world's per-sample json (world.scene.Scene.to_json)
+MAX_HINT_BYTES = 64 * 1024  # a json read as a hint: a shapes scene is a few hundred bytes, img2dataset's a few KB
 
 
 def read_captioned(split: Split, n: int, image_size: int, background: Any = (255, 255, 255)
@@ -45,16 +46,24 @@ def read_captioned(split: Split, n: int, image_size: int, background: Any = (255
 
 
 def _first_json(url: str) -> dict | None:
-    """The first ``.json`` member of a tar shard, parsed (None when there is none or it is not a JSON object)."""
+    """The first ``.json`` member among a tar shard's first 8, parsed (None when there is none, it is not a JSON
+    object or larger than :data:`MAX_HINT_BYTES`, or the shard is compressed: nothing of it is inflated)."""
     try:
-        with tarfile.open(url) as tar:
-            for member in itertools.islice(tar, 8):
-                handle = tar.extractfile(member) if member.name.endswith(".json") else None
-                if handle is not None:
-                    record = json.loads(handle.read())
-                    return record if isinstance(record, dict) else None
-    except (OSError, tarfile.TarError, ValueError):
+        stream = open_shard(url)
+    except (OSError, ValueError):
         return None
+    try:
+        # Only a json member is read (at most MAX_HINT_BYTES of it); every other one is passed over unread.
+        members = shard_files(url, stream, lambda exc: None,
+                              bound=lambda name: MAX_HINT_BYTES if name.endswith(".json") else -1)
+        for member in itertools.islice(members, 8):
+            if member["fname"].endswith(".json"):
+                record = json.loads(member["data"]) if isinstance(member["data"], bytes) else None
+                return record if isinstance(record, dict) else None
+    except (ValueError, RecursionError):
+        return None
+    finally:
+        stream.close()
     return None
 
 
