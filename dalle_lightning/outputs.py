@@ -18,6 +18,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from dalle_lightning import inside
 from dalle_lightning.plain_yaml import refuse_stored
 from dalle_lightning_plugins.io.atomic_files import write_json
 
@@ -34,8 +35,10 @@ def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
 
     Its values are plain JSON, and stay plain: the records in it (the dVAE and tokenizer that made token shards)
     travel on into a prior's ``meta.trained_with``, so a string holding ``${`` (which no writer puts there) is
-    refused in one line naming the file and the key (``plain_yaml.refuse_stored``), never passed on."""
+    refused in one line naming the file and the key (``plain_yaml.refuse_stored``), never passed on. A marker that
+    is a link out of the folder is refused in one line naming it (:mod:`dalle_lightning.inside`), never read."""
     path = Path(folder) / MARKER
+    inside.check(path, folder)
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -134,8 +137,10 @@ def remove_stale_shards(folder: str | os.PathLike, keep: int) -> list[Path]:
 
 def clear_samples(folder: str | os.PathLike, key: str = "out_dir") -> None:
     """Remove what an earlier ``dalle-generate`` wrote into ``folder`` (its marker's file list, or for an unmarked
-    folder of sample names, those), so a rerun never leaves old images beside new ones. Other folders: an error."""
+    folder of sample names, those), so a rerun never leaves old images beside new ones. Other folders: an error.
+    ``candidates/`` as a link out of the folder is refused in one line naming it: its files are no earlier run's."""
     folder = Path(folder)
+    inside.check(folder / "candidates", folder, key)
     if not claim(folder, "samples", key):
         return
     record = read_marker(folder) or {}
@@ -148,5 +153,5 @@ def clear_samples(folder: str | os.PathLike, key: str = "out_dir") -> None:
         if path.resolve().parent in (folder.resolve(), (folder / "candidates").resolve()):
             path.unlink(missing_ok=True)
     candidates = folder / "candidates"
-    if candidates.is_dir() and not any(candidates.iterdir()):
+    if candidates.is_dir() and not candidates.is_symlink() and not any(candidates.iterdir()):  # a link: kept
         candidates.rmdir()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from dalle_lightning import inside
 from dalle_lightning.cli import checks
 from dalle_lightning.cli.common import check_keys, hydra_app
 from dalle_lightning.hardware import AUTO, auto_sampling_dtype, resolve_device
@@ -81,6 +82,7 @@ def run(cfg: DictConfig) -> Generation:
     checks.boolean(cfg, "save_candidates")
     checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
+    inside.check(out / "candidates", out, "out_dir")  # written into and cleared: never a link out of out_dir
     claim(out, "samples")  # a folder of other files fails before any model loads
     device = resolve_device(cfg.device)
     dtype = auto_sampling_dtype(device) if cfg.dtype == AUTO else cfg.dtype

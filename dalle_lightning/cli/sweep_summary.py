@@ -17,7 +17,8 @@ other multirun). ``summary.json`` and ``summary.txt`` are written into the sweep
 
 A sweep directory may come from anyone, so its files are read as plain values (``dalle_lightning.plain_yaml``): an
 override is shown as the text Hydra saved, ``a=${oc.env:SECRET_TOKEN}`` literally, and nothing in ``overrides.yaml``
-or ``multirun.yaml`` is ever resolved.
+or ``multirun.yaml`` is ever resolved; and no file outside it is read: a job, or a file of one, that is a link out
+of the sweep is refused in one line naming it (:mod:`dalle_lightning.inside`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from dalle_lightning import inside
 from dalle_lightning.plain_yaml import read_yaml
 from dalle_lightning_plugins.io.atomic_files import write_json, write_text
 
 log = logging.getLogger("dalle_lightning.sweep")
 
 FALLBACK_METRICS = ("val/loss", "train/loss")
+KEY = "sweep_dir"  # what a refusal names first
 
 
 def read_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -47,8 +50,11 @@ def read_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"sweep directory {str(sweep_dir)!r} does not exist; expected a dalle-train -m output dir")
     runs = []
-    for run_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)):
+    jobs = (p for p in sweep_dir.iterdir() if inside.check(p, sweep_dir, KEY).is_dir())
+    for run_dir in sorted(jobs, key=lambda p: (len(p.name), p.name)):
         metrics_file, overrides_file = run_dir / "metrics.json", run_dir / ".hydra" / "overrides.yaml"
+        for path in (metrics_file, overrides_file):
+            inside.check(path, sweep_dir, KEY)
         if metrics_file.is_file():
             blob = read_json(metrics_file)
             runs.append({"run": run_dir.name, "overrides": override_texts(blob.get("overrides"), metrics_file),
@@ -64,7 +70,7 @@ def read_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
 def sweep_settings(sweep_dir: Path) -> tuple[str | None, str | None]:
     """The ``objective`` and Optuna ``direction`` recorded in ``multirun.yaml`` (None when absent)."""
     path = sweep_dir / "multirun.yaml"
-    if not path.is_file():
+    if not inside.check(path, sweep_dir, KEY).is_file():
         return None, None
     cfg = read_yaml(path)  # plain values: a stored ${...} stays text (it then names no logged metric)
     cfg = cfg if isinstance(cfg, dict) else {}

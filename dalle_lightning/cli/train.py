@@ -147,7 +147,7 @@ def fit(cfg: DictConfig, ckpt_path: str | None = None) -> dict[str, Any]:
     log.info("%s", decision.reason)  # rank 0 (the other ranks' project logs are off): once per run
     ckpt_path = decision.checkpoint
     if ckpt_path is not None:  # resume=PATH, resume=auto and a launcher's restart alike: data only, one line if not
-        check_data(ckpt_path, "resume")
+        check_data(ckpt_path, "resume", _run_dir())
     with stop_reported(cfg, trainer, ckpt_path, _sweep()):  # SIGTERM, SIGINT: one line naming the checkpoint
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     has_validation = getattr(datamodule, "has_validation", None)

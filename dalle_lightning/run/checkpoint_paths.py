@@ -12,6 +12,14 @@ resolved (``Path.resolve()``: ``..`` and links followed), under the resolved ``d
 run's checkpoint directory (the checkpoint's own folder when it names none). Anything else refuses the checkpoint
 in one line naming the key. A checkpoint copied from another machine still resumes: its paths name its old
 folder, where a new run deletes nothing (the callbacks delete only inside their own resolved ``dirpath``).
+
+The stored ``dirpath`` itself must name a run's checkpoint folder, not a folder that holds everything: ``/`` (or a
+home, or a work_dir) would pass "every path lies under ``dirpath``" whatever the paths are. "The run" of a
+checkpoint is the folder its own folder sits in (``<run>/checkpoints/last.ckpt``: the layout ``dalle-train``
+writes and ``resume=auto`` finds; for ``resume=PATH`` the same, from the path given). So ``dirpath``, resolved, is
+the checkpoint's own folder, or lies inside its run, or lies elsewhere altogether (a copy: its old folder); it is
+never its run itself nor an ancestor of the checkpoint's folder, nor the resuming run's directory or an ancestor of
+it (:func:`dirpath_problem`).
 """
 
 from __future__ import annotations
@@ -49,10 +57,28 @@ def inside(path: Path, folder: Path, itself: bool = False) -> bool:
     return (itself and path == folder) or folder in path.parents
 
 
-def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike, key: str) -> None:
+def dirpath_problem(folder: Path, checkpoint: Path, run_dir: Path | None = None) -> str | None:
+    """Why the resolved ``folder`` (a state's ``dirpath``) is no checkpoint folder of a run, None when it is one
+    (see the module docstring): ``checkpoint`` is where the state was read from, resolved; ``run_dir`` the resuming
+    run's own directory, when known."""
+    resuming = run_dir.resolve() if run_dir is not None else None
+    if resuming is not None and (folder == resuming or folder in resuming.parents):
+        return f"which is or holds this run's directory {str(resuming)!r}"
+    own = checkpoint.parent
+    run = own.parent
+    if folder == own or run in folder.parents:
+        return None  # its own folder, or inside its run
+    if folder == run or folder in run.parents:
+        return f"which is or holds the checkpoint's run directory {str(run)!r}"
+    return None  # elsewhere altogether: a copied checkpoint's old folder, where this run deletes nothing
+
+
+def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike, key: str,
+                         run_dir: str | os.PathLike | None = None) -> None:
     """Raise a one-line :class:`OutsidePath` (``key`` first) unless every path in the callback states of
     ``saved`` (a loaded checkpoint, or a sharded checkpoint's metadata) lies inside its state's own resolved
-    checkpoint directory (see the module docstring). ``checkpoint`` is where ``saved`` was read from."""
+    checkpoint directory, and that directory is a run's checkpoint folder (see the module docstring).
+    ``checkpoint`` is where ``saved`` was read from; ``run_dir`` the resuming run's own directory, when known."""
     callbacks = saved.get("callbacks")
     if callbacks is None:
         return
@@ -83,3 +109,8 @@ def check_callback_paths(saved: Mapping[str, Any], checkpoint: str | os.PathLike
             if not inside(written.resolve(), folder, itself=entry.endswith(".dirpath")):
                 raise OutsidePath(f"{shown}: {entry} is {value!r}, outside its checkpoint directory {str(folder)!r} "
                                   f"once resolved, so the checkpoint was not used and nothing was deleted; {expected}")
+        if isinstance(dirpath, str) and dirpath and "://" not in dirpath:
+            problem = dirpath_problem(folder, Path(checkpoint).resolve(), None if run_dir is None else Path(run_dir))
+            if problem is not None:
+                raise OutsidePath(f"{shown}: {where}.dirpath is {dirpath!r}, {problem}, not a run's checkpoint "
+                                  f"folder, so the checkpoint was not used and nothing was deleted; {expected}")

@@ -27,10 +27,12 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
+from dalle_lightning import inside
 from dalle_lightning.plain_yaml import read_yaml, refuse_stored
 from dalle_lightning.run.checkpoint_paths import check_callback_paths
 from dalle_lightning.safe_files import UnsafeFile, load_data
@@ -64,9 +66,11 @@ def checkpoint_step(path: Path) -> int | None:
 
 def run_start(run: Path) -> str:
     """When a run began, as its own record says (``launch.json``'s ``started``, written by rank 0 when it starts),
-    else its directory's name (``${run_id:}``: the start time first); never a file time."""
+    else its directory's name (``${run_id:}``: the start time first); never a file time. A record that is a link
+    out of the run is refused in one line (:mod:`dalle_lightning.inside`), never read."""
+    record = inside.check(run / LAUNCH_FILE, run, "resume")
     try:
-        started = json.loads((run / LAUNCH_FILE).read_text()).get("started")
+        started = json.loads(record.read_text()).get("started")
     except (OSError, ValueError, AttributeError):
         started = None
     return str(started) if started else run.name
@@ -84,7 +88,13 @@ def _by_step(paths: Iterable[Path]) -> list[tuple[Path, int | None]]:
 
 
 def _checkpoint_files(run: Path) -> list[Path]:
-    return [p for p in (run / "checkpoints").glob("*.ckpt") if not p.name.startswith(".")]
+    """The checkpoints in ``run``'s ``checkpoints/``; the folder or a file there that is a link out of the run (a
+    handed work_dir or sweep) is refused in one line naming it, before it is listed or read."""
+    inside.check(run / "checkpoints", run, "resume")
+    files = [p for p in (run / "checkpoints").glob("*.ckpt") if not p.name.startswith(".")]
+    for path in files:
+        inside.check(path, run, "resume")
+    return files
 
 
 def newest_checkpoint(runs: Path, stage: str, exclude: Path | None = None) -> Path | None:
@@ -93,8 +103,11 @@ def newest_checkpoint(runs: Path, stage: str, exclude: Path | None = None) -> Pa
 
 
 def stage_runs(runs: Path, stage: str, exclude: Path | None = None) -> list[Path]:
-    """The run directories of ``stage`` under ``runs`` (without ``exclude``, this run's own new directory)."""
-    return [d for d in (runs / stage).glob("*") if d.is_dir() and (exclude is None or d.resolve() != exclude.resolve())]
+    """The run directories of ``stage`` under ``runs`` (without ``exclude``, this run's own new directory); one that
+    is a link out of ``runs`` (a handed work_dir) is refused in one line naming it, before anything in it is read."""
+    inside.check(runs / stage, runs, "resume=auto")
+    found = [d for d in (runs / stage).glob("*") if inside.check(d, runs, "resume=auto").is_dir()]
+    return [d for d in found if exclude is None or d.resolve() != exclude.resolve()]
 
 
 def newest_complete(run_dirs: Iterable[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -123,11 +136,13 @@ def launch_checkpoints(run_dirs: Iterable[Path]) -> list[tuple[Path, int | None]
 
 def sweep_job_runs(sweep_dir: Path, overrides: Iterable[str]) -> list[Path]:
     """The directories of ``sweep_dir``'s jobs that ran with ``overrides`` (compared without ``resume=...``, as
-    Hydra saved them in ``<job>/.hydra/overrides.yaml``)."""
+    Hydra saved them in ``<job>/.hydra/overrides.yaml``). A job, or its saved overrides, that is a link out of the
+    sweep is refused in one line naming it, never read."""
     want = _job_key(overrides)
     jobs = []
     for job in sweep_dir.glob("*"):
         saved = job / ".hydra" / "overrides.yaml"
+        inside.check(saved, sweep_dir, "resume=auto")
         if job.is_dir() and saved.is_file():
             try:  # the texts Hydra saved, compared as texts: a ${...} in one is never resolved
                 listed = read_yaml(saved)
@@ -178,6 +193,9 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
                                     f"earlier {cfg.stage.name} run of this work_dir, or resume=PATH")
         if skipped:
             log.warning("resume=auto: skipped %s; resuming from %s", _skipped(skipped), found)
+        saved = saved_values(found, "resume")  # its paths before anything is built; the fit checks the whole file
+        if isinstance(saved, dict):
+            check_callback_paths(saved, found, "resume", run_dir)
         return str(found)
     path = Path(value)
     if not path.exists():
@@ -186,11 +204,11 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
     problem = checkpoint_problem(path)
     if problem is not None:
         raise ValueError(f"resume={value}: {problem}; expected a complete checkpoint (resume=auto skips incomplete ones)")
-    check_data(path, f"resume={value}:")
+    check_data(path, f"resume={value}:", run_dir)
     return str(path)
 
 
-def check_data(path: str | Path, key: str) -> None:
+def check_data(path: str | Path, key: str, run_dir: Path | None = None) -> None:
     """A one-line ``ValueError`` (an :class:`~dalle_lightning.safe_files.UnsafeFile` for a file that asks for
     code; ``key`` first) unless the checkpoint file ``path`` is a Lightning checkpoint of tensors and plain values,
     as every checkpoint ``dalle-train`` writes is: it loads under ``torch.load(weights_only=True)``, as the fit that
@@ -198,19 +216,13 @@ def check_data(path: str | Path, key: str) -> None:
     its hyper-parameters name nothing to build (``_target_``, Lightning's ``_instantiator``: the project's modules
     save neither). A sharded checkpoint directory's tensors are read by the strategy's own loader, which refuses the
     same way; its ``meta.pt`` (callback states, hyper-parameters) is read here, as data. Either way the non-tensor
-    values are checked (:func:`check_plain_state`)."""
+    values are checked (:func:`check_plain_state`; ``run_dir``: the resuming run's own directory)."""
     path = Path(path)
+    saved = saved_values(path, key)
     if path.is_dir():
-        from dalle_lightning_plugins.io.dcp_checkpoint import read_metadata
-
-        saved = read_metadata(path, weights_only=True)  # callbacks, loops and hyper-parameters, as data
-        check_plain_state(saved, path, key)
+        check_plain_state(saved, path, key, run_dir)
         return
-    what, fix = f"{key.rstrip(':')}: checkpoint", "resume from a checkpoint dalle-train wrote"
-    try:
-        saved = load_data(path, what, fix, mmap=True)
-    except RuntimeError:  # an archive torch cannot map (written by an old torch): read it whole, as data too
-        saved = load_data(path, what, fix)
+    what = f"{key.rstrip(':')}: checkpoint"
     if not isinstance(saved, dict) or not isinstance(saved.get("state_dict"), dict) or "global_step" not in saved:
         raise ValueError(f"{what} {str(path)!r} is not a Lightning checkpoint (no state_dict or global_step); "
                          f"expected {LAST} or a periodic checkpoint of a dalle-train run")
@@ -219,17 +231,31 @@ def check_data(path: str | Path, key: str) -> None:
     if builds:
         raise UnsafeFile(f"{what} {str(path)!r} asks to build {hparams[builds[0]]!r} (hyper_parameters.{builds[0]}), "
                          f"which dalle-train never writes, so it was not used; expected a checkpoint dalle-train wrote")
-    check_plain_state(saved, path, key)
+    check_plain_state(saved, path, key, run_dir)
 
 
-def check_plain_state(saved: dict, path: Path, key: str) -> None:
+def saved_values(path: Path, key: str) -> Any:
+    """What the checkpoint at ``path`` holds, read as data (a refused global is one line, ``key`` first): a file
+    memory-mapped (its tensors stay on disk), a sharded directory's metadata (callbacks, loops, hyper-parameters)."""
+    if path.is_dir():
+        from dalle_lightning_plugins.io.dcp_checkpoint import read_metadata
+
+        return read_metadata(path, weights_only=True)
+    what, fix = f"{key.rstrip(':')}: checkpoint", "resume from a checkpoint dalle-train wrote"
+    try:
+        return load_data(path, what, fix, mmap=True)
+    except RuntimeError:  # an archive torch cannot map (written by an old torch): read it whole, as data too
+        return load_data(path, what, fix)
+
+
+def check_plain_state(saved: dict, path: Path, key: str, run_dir: Path | None = None) -> None:
     """The checkpoint's values that are not tensors stay values: its hyper-parameters hold no interpolation
     (``${...}``, which nothing resolves from a file: refused in one line naming the key), and every path in its
     callback states lies inside the checkpoint directory the state names (:mod:`.checkpoint_paths`)."""
     if isinstance(saved, dict):
         refuse_stored(saved.get("hyper_parameters"), path, "hyper_parameters",
                       "resume from a checkpoint dalle-train wrote", what=f"{key.rstrip(':')}: checkpoint")
-        check_callback_paths(saved, path, key)
+        check_callback_paths(saved, path, key, run_dir)
 
 
 LAUNCH_FILE = "launch.json"  # in a run directory: when it began and the launch it belongs to (start_decision.py)

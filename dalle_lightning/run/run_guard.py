@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 from typing_extensions import override
 
+from dalle_lightning import inside
 from dalle_lightning.plain_yaml import escaped
 from dalle_lightning.cli import checks
 from dalle_lightning.run import run_lock
@@ -84,9 +85,10 @@ class RunGuard(Callback):
     def __init__(self, dirs: Sequence[str] = (), files: Sequence[str] = (), locks: Sequence[str] = ()) -> None:
         self.dirs, self.files, self.locks = list(dirs), list(files), list(locks)
 
-    def lock(self, config: DictConfig, run_dir: str, dir_key: str) -> None:
+    def lock(self, config: DictConfig, run_dir: str, dir_key: str, folder: str | None = None) -> None:
         """Take this run's locks (launching process only): each output, then its run directory (made here, so a run
-        refused for its output leaves no directory); one line if one is held."""
+        refused for its output leaves no directory; a sweep job's lock stays inside ``folder``, its sweep); one line
+        if one is held, or if a lock file is a link out of its folder."""
         if not run_lock.launching_process():
             return
         try:
@@ -95,9 +97,24 @@ class RunGuard(Callback):
                 if target is not None:
                     run_lock.acquire(key, str(target), run_dir)
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            run_lock.acquire(dir_key, run_dir, run_dir, directory_lock=True)
-        except run_lock.OutputLocked as exc:
+            run_lock.acquire(dir_key, run_dir, run_dir, directory_lock=True, folder=folder)
+        except (run_lock.OutputLocked, inside.LinkOut) as exc:
             run_lock.release_all()
+            fail(str(exc))
+
+    @staticmethod
+    def check_links(config: DictConfig, run_dir: str, dir_key: str) -> None:
+        """No link leads the run (or sweep) directory out of where it may have been handed, before anything is
+        written there (one line, exit code 2): its way down from ``paths.work_dir`` when it is made inside it (a
+        handed work_dir's ``runs/`` as a link elsewhere), and every link in it when it exists already (a handed run
+        or sweep continued: Hydra writes ``multirun.yaml``, ``.hydra/*.yaml`` and the log by name, Lightning the
+        ``checkpoints/``, without looking). A ``paths.work_dir`` given as a link is the user's own choice."""
+        work_dir = resolved(config, "paths.work_dir")
+        try:
+            if isinstance(work_dir, str) and work_dir and Path(run_dir).is_relative_to(os.path.abspath(work_dir)):
+                inside.check(run_dir, work_dir, dir_key)
+            inside.check_tree(run_dir, dir_key)
+        except inside.LinkOut as exc:
             fail(str(exc))
 
     def check_paths(self, config: DictConfig, run_dir: str, dir_key: str) -> None:
@@ -117,6 +134,7 @@ class RunGuard(Callback):
     @override
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         run_dir = prepare_hydra_config(config, "hydra.run.dir")
+        self.check_links(config, run_dir, "hydra.run.dir")
         self.check_paths(config, run_dir, "hydra.run.dir")
         self.lock(config, run_dir, "hydra.run.dir")
         rank_logs(config, run_dir)
@@ -127,12 +145,15 @@ class RunGuard(Callback):
 
     @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.check_paths(config, prepare_hydra_config(config, "hydra.sweep.dir"), "hydra.sweep.dir")
+        sweep_dir = prepare_hydra_config(config, "hydra.sweep.dir")
+        self.check_links(config, sweep_dir, "hydra.sweep.dir")
+        self.check_paths(config, sweep_dir, "hydra.sweep.dir")
 
     @override
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:  # a sweep's job, in its own directory (a run locked at its start)
-            self.lock(config, str(config.hydra.runtime.output_dir), "hydra.sweep.dir")
+            self.lock(config, str(config.hydra.runtime.output_dir), "hydra.sweep.dir",
+                      folder=str(config.hydra.sweep.dir))
 
     @override
     def on_job_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from dalle_lightning import inside
 from dalle_lightning_plugins.environments.launch_identity import agreed_start
 
 _held: dict[str, int] = {}  # lock file -> open descriptor, for as long as this process holds it
@@ -68,13 +69,20 @@ class OutputLocked(ValueError):
     """Another live process writes this output (one line naming it)."""
 
 
-def acquire(key: str, target: str | os.PathLike, run_dir: str, directory_lock: bool = False) -> None:
-    """Lock ``target`` (the value of config ``key``) for this run, or raise :class:`OutputLocked` naming the holder."""
+def acquire(key: str, target: str | os.PathLike, run_dir: str, directory_lock: bool = False,
+            folder: str | os.PathLike | None = None) -> None:
+    """Lock ``target`` (the value of config ``key``) for this run, or raise :class:`OutputLocked` naming the holder.
+
+    The lock file is opened without following a link out of ``folder`` (default: the folder the lock file sits in;
+    a sweep job's run directory passes its sweep, which Hydra made the job's folder in): a lock file planted as a
+    link to a file elsewhere would otherwise have that file truncated and the lock record written into it
+    (:class:`~dalle_lightning.inside.LinkOut`, one line naming the link)."""
     path = lock_file(target, directory_lock)
     if str(path) in _held:
         return  # this process holds it already (a sweep's jobs run one after another in one process)
+    inside.check(path.parent, folder or path.parent, key)  # before mkdir: never make a folder through a link out
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = inside.open_inside(path, folder or path.parent, os.O_RDWR | os.O_CREAT, key)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
