@@ -5,7 +5,7 @@ The patterns (``tests/helpers/lightning_patterns.py``) are those a Lightning use
 built in ``__init__`` or in ``configure_optimizers``, a parameter of the module tied to a child's, weights tied
 across children, a shared child, a list attribute holding a child, a frozen child, a child with buffers only, a
 parameter of the module itself, ``configure_model``, a model built under ``init_module(empty_init=True)``, gradient
-accumulation, manual optimization, a compiled child and LBFGS (refused at setup: it re-evaluates its closure). Each is fitted on 2 gloo processes under ``ddp`` (the
+accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure) and a sparse embedding (refused). Each is fitted on 2 gloo processes under ``ddp`` (the
 reference) and under the strategy, in one launch (start-up is the expensive part), from the same seed and data,
 with validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
 device), the parameter objects themselves (the user's own, by identity, under their names), and
@@ -37,8 +37,9 @@ CASES = [*PATTERNS, "init_module_empty"]
 # refused two reach a tensor the stand-ins do not hold during a sharded stage: a Parameter the LightningModule
 # registers itself that is also a child's (it would stay whole beside the child's shards), and a child reached
 # through a plain list attribute (the user's own child, whose storage the stage holds as shards).
-# LBFGS re-evaluates its closure and reads whole gradients: refused at setup.
-EXPECTED: dict[str, str] = {"tied_attribute": "refused", "taps_list": "refused", "line_search": "refused"}
+# LBFGS re-evaluates its closure and reads whole gradients, and FSDP2 cannot shard a sparse gradient: refused at setup.
+EXPECTED: dict[str, str] = {"tied_attribute": "refused", "taps_list": "refused", "line_search": "refused",
+                            "sparse_embedding": "refused"}
 
 
 def _strategy(layout: str) -> Any:

@@ -203,6 +203,20 @@ class LineSearch(Base):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
 
 
+class SparseEmbedding(Base):
+    """An ``nn.Embedding(sparse=True)`` in front (a sparse gradient), plain SGD, which takes one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4, sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.emb((x[:, 0].abs() * 4).long().clamp(max=7)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 class _Blocks(nn.Sequential):
     """A user's own container of blocks, with its own ``forward`` (torch 2.9 compiles no frame of torch's own
     modules: ``nn.Sequential(...).compile()`` runs eagerly there, under any strategy)."""
@@ -256,6 +270,7 @@ PATTERNS: dict[str, type[Base]] = {
     "accumulating": Accumulating,
     "manual": Manual,
     "line_search": LineSearch,
+    "sparse_embedding": SparseEmbedding,
     "compiled_child": CompiledChild,
 }
 

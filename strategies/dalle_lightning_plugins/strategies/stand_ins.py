@@ -93,6 +93,18 @@ def refuse_parameter_hooks(originals: dict[str, nn.Module], shard_size: int) -> 
                     "or the optimizer, or devices_per_node=1")
 
 
+def refuse_sparse_gradients(originals: dict[str, nn.Module], shard_size: int) -> None:
+    """One line before anything is sharded: an embedding with ``sparse=True`` makes a sparse gradient, which FSDP2
+    cannot reduce-scatter (``ddp`` all-reduces it as it is)."""
+    for child_name, child in originals.items():
+        for sub, m in child.named_modules():
+            if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+                raise ValueError(
+                    f"ShardedPowerSGDStrategy(devices_per_node={shard_size}): {f'{child_name}.{sub}'.rstrip('.')} is "
+                    f"an {type(m).__name__} with sparse=True, whose sparse gradient FSDP2 cannot shard; use "
+                    "sparse=False (the optimizer then gets a dense gradient) or strategy='ddp'")
+
+
 # nn.Module's own state in every instance's __dict__ (its registered children, parameters, buffers, hook tables).
 _MODULE_STATE = frozenset(vars(nn.Module()))
 
@@ -130,6 +142,7 @@ def make_stand_ins(module: nn.Module, shard_size: int = 2) -> dict[str, nn.Modul
     refuse_owner_ties(module, originals, shard_size)
     refuse_listed_children(module, originals, shard_size)
     refuse_parameter_hooks(originals, shard_size)
+    refuse_sparse_gradients(originals, shard_size)
     memo: dict[int, Any] = {id(module): module}
     trainer = compat.attached_trainer(module)
     if trainer is not None:
