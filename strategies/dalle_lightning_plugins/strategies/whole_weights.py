@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from dalle_lightning_plugins.strategies.stage_model import ShardedModel
 
 # full_weights_after="auto": whole weights after a stage when the whole model takes at most this share of the
-# memory free to each rank (the device's; on CPU, the host's available memory divided among its processes).
+# memory free to each rank (the host's available memory divided among its processes, where the whole weights land;
+# on a GPU, the smaller of that and the device's free memory: free_bytes_per_rank).
 FULL_WEIGHTS_MEMORY_SHARE = 0.5
 
 
@@ -157,9 +158,10 @@ class WholeWeights:
                 dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # every rank the same decision: it is a collective
                 self.decision = bool(fits.item())
                 mib = 2**20
+                counted = "the host's share, or the GPU's if smaller" if root_device.type == "cuda" else "the host's"
                 rank_zero_info(  # one line per strategy
-                    f"{self.owner}(full_weights_after='auto'): the whole model takes {need / mib:.2f} MiB "
-                    f"against {free / mib:.0f} MiB free per rank on rank 0, so validate, test and predict run on "
+                    f"{self.owner}(full_weights_after='auto'): the whole model takes {need / mib:.2f} MiB against "
+                    f"{free / mib:.0f} MiB free per rank on rank 0 ({counted}), so validate, test and predict run on "
                     "whole weights and after each stage its parameters "
                     + ("are whole plain tensors, as under ddp" if self.decision else
                        "stay sharded DTensors (full_weights_after=True forces whole ones)"))
@@ -167,10 +169,8 @@ class WholeWeights:
         return bool(self.full_weights_after)
 
 
-def free_bytes_per_rank(root_device: torch.device, num_processes: int) -> float:
-    """Memory free to this rank: its CUDA device's, or the host's available memory over its processes."""
-    if root_device.type == "cuda":
-        return float(torch.cuda.mem_get_info(root_device)[0])
+def host_bytes_per_rank(num_processes: int) -> float:
+    """The host's available memory over the processes of this node (``/proc/meminfo``'s ``MemAvailable``)."""
     available = 0.0
     try:
         with open("/proc/meminfo") as f:
@@ -180,6 +180,17 @@ def free_bytes_per_rank(root_device: torch.device, num_processes: int) -> float:
     except OSError:
         available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     return available / max(1, num_processes)
+
+
+def free_bytes_per_rank(root_device: torch.device, num_processes: int) -> float:
+    """Memory free to this rank for a whole copy of the model. Whole weights land on the CPU after a stage (as
+    ``ddp`` leaves a module), one copy per process of the node, so the host's share always counts; on a GPU the
+    device's free memory counts too (validate, test and predict run on whole weights there): the smaller of the two.
+    A GPU's free memory alone passed a model the host could not hold once per rank."""
+    host = host_bytes_per_rank(num_processes)
+    if root_device.type == "cuda":
+        return min(host, float(torch.cuda.mem_get_info(root_device)[0]))
+    return host
 
 
 # Lightning callbacks that change parameters in ways FSDP2's shards cannot follow (with their reason and the way out).
