@@ -12,8 +12,11 @@ reason (``data/skipped/compressed_shard``, ``image_too_large``, ``member_too_lar
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import json
+import lzma
 import struct
 import tarfile
 import tracemalloc
@@ -28,6 +31,7 @@ from tokenizers import Tokenizer
 
 from dalle_lightning.artifacts import read_meta
 from dalle_lightning.data.datamodule import ImageTextDataModule, TokenDataModule
+from dalle_lightning.data.skips import SkipCounter, read_shards
 from dalle_lightning.data.tar_members import MAX_IMAGE_BYTES, MAX_MEMBER_BYTES
 from dalle_lightning.data.tokenizer import MAX_TEXT_LEN, CaptionTokenizer, read_tokenizer
 from dalle_lightning.evaluation.captioned_data import _first_json
@@ -276,6 +280,19 @@ def test_a_gzip_shard_costs_nothing_to_look_at(tmp_path: Path) -> None:
     assert _shard_members(plain) == {"png", "txt", "json"} and _first_json(str(plain))["caption"] == "a red square"
     sparse = sparse_tar(tmp_path / "big.tar", "0.json", 64 * MIB, {"png": png()})
     assert peak_bytes(lambda: _first_json(str(sparse))) < MIB  # a json beyond a hint's size is not read
+
+
+@pytest.mark.parametrize("kind,compress", [("gzip", gzip.compress), ("bzip2", bz2.compress), ("xz", lzma.compress),
+                                           ("zstd", lambda data: b"\x28\xb5\x2f\xfd" + data)])  # its magic number
+def test_every_compressed_stream_is_refused_unread(kind: str, compress, tmp_path: Path) -> None:
+    plain = member("0.png", png()) + member("0.txt", b"a red square") + bytes(1024)
+    shard = tmp_path / "000000.tar"
+    shard.write_bytes(compress(plain))
+    skipped = SkipCounter()
+    assert list(read_shards([str(shard)], skipped)) == []
+    assert skipped["compressed shard"] == 1 and skipped["unreadable shard"] == 0, skipped.summary()
+    shard.write_bytes(plain)
+    assert [s["txt"] for s in read_shards([str(shard)], skipped)] == [b"a red square"]  # the plain tar is read
 
 
 def test_an_image_member_beyond_any_image_is_skipped_unread(tmp_path: Path) -> None:

@@ -149,7 +149,10 @@ def read_shards(urls: list[str], skipped: SkipCounter | None,
                     elif skipped is not None:
                         skipped.skip(large.reason, f"{url}:{sample.get('__key__', '?')}", large.describe())
             finally:
-                stream.close()
+                try:
+                    stream.close()
+                except Exception as exc:  # noqa: BLE001 - a pipe: whose command failed; its shard is counted
+                    errors.append(exc)
         if errors:
             _shard_failed(skipped, "unreadable shard", url,
                           f"{type(errors[0]).__name__}: {errors[0].args[0] if errors[0].args else ''}")

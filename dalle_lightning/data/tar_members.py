@@ -11,6 +11,7 @@ Honest members are read as webdataset reads them, and grouped into samples by we
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tarfile
 from collections.abc import Callable, Iterator
@@ -102,7 +103,8 @@ def open_shard(url: str) -> _Rejoined:
             raise CompressedShard(f"a {kind} stream, never decompressed (a shard must be a plain tar: decompress it "
                                   "and name it .tar)")
     except BaseException:
-        stream.close()
+        with contextlib.suppress(Exception):  # a pipe's exit status: the refusal is what is said
+            stream.close()
         raise
     return _Rejoined(head, stream)
 
