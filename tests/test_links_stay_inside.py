@@ -58,6 +58,20 @@ def test_a_lock_file_planted_as_a_link_out_of_work_dir_is_refused_and_its_target
     assert victim.read_text() == KEPT and not (work / "runs").exists()
 
 
+def test_runs_as_a_link_out_of_work_dir_is_refused_before_a_run_directory_is_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dalle_lightning.cli import train
+
+    work = tmp_path / "work"
+    work.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (work / "runs").symlink_to(elsewhere)  # Hydra would make runs/dvae/<id>/ there and write its files into it
+    line = _refused(capsys, train.main, "stage=dvae", f"paths.work_dir={work}", "resume=auto")
+    assert line.startswith(_leads_out("hydra.run.dir", work / "runs", elsewhere, work)), line
+    assert not list(elsewhere.iterdir()) and not list(work.glob(".*.lock"))
+
+
 def test_a_run_directory_lock_planted_as_a_link_is_refused_a_link_inside_is_followed(tmp_path: Path) -> None:
     """A sweep job's ``.run.lock`` (and the job folder itself) stays inside its sweep; a lock file that is a link
     to another file inside the folder is locked through the link."""
