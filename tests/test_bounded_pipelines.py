@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from dalle_lightning.artifacts import read_meta
 from dalle_lightning.data.datamodule import ImageTextDataModule, TokenDataModule
 from dalle_lightning.data.skips import SkipCounter, read_shards
-from dalle_lightning.data.tar_members import MAX_IMAGE_BYTES, MAX_MEMBER_BYTES
+from dalle_lightning.data.tar_members import MAX_CAPTION_BYTES, MAX_IMAGE_BYTES, MAX_MEMBER_BYTES
 from dalle_lightning.data.tokenizer import MAX_TEXT_LEN, CaptionTokenizer, read_tokenizer
 from dalle_lightning.evaluation.captioned_data import _first_json
 from dalle_lightning.outputs import _shard_members
@@ -304,6 +304,18 @@ def test_an_image_member_beyond_any_image_is_skipped_unread(tmp_path: Path) -> N
     assert peak_bytes(lambda: batches.extend(dm.val_dataloader())) < 16 * MIB
     assert [b["text"] for b in batches] == [["a red square"]]
     assert dm.skipped["image too large"] == 1 and dm.skipped["corrupt image"] == 0, dm.skipped.summary()
+
+
+def test_a_caption_beyond_any_caption_is_skipped_unread(tmp_path: Path) -> None:
+    """Tokenizing a caption costs far more than its bytes (a 16 MiB one: seconds and gigabytes, for ids cut to
+    text_len): one over MAX_CAPTION_BYTES is never read, nor handed to the tokenizer."""
+    shard = tmp_path / "000000.tar"
+    shard.write_bytes(member("long.png", png()) + member("long.txt", b"a" * (MAX_CAPTION_BYTES + 1))
+                      + member("fine.png", png()) + member("fine.txt", b"a red square") + bytes(1024))
+    dm = ImageTextDataModule(image_size=16, train_shards=str(shard), val_shards=str(shard), batch_size=1,
+                             shuffle_buffer=0)
+    assert [b["text"] for b in dm.val_dataloader()] == [["a red square"]]
+    assert dm.skipped["member too large"] == 1, dm.skipped.summary()
 
 
 def test_a_token_member_beyond_any_token_array_is_potent_in_webdataset_alone(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 REASONS = (
     "unreadable shard",
     "compressed shard",  # a gzip, bzip2, xz or zstd stream (under any name): never decompressed
-    "member too large",  # a caption, json or token array over data.tar_members.MAX_MEMBER_BYTES: never read
+    "member too large",  # a caption over data.tar_members.MAX_CAPTION_BYTES, another member over MAX_MEMBER_BYTES
     "missing image",
     "corrupt image",
     "image too large",  # more pixels than data.transforms.MAX_IMAGE_PIXELS (a decompression bomb, never decoded), or

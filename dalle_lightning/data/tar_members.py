@@ -30,8 +30,12 @@ MAGIC_BYTES = max(len(magic) for magic, _ in COMPRESSED)
 # of headers and metadata) holds more than any image that may be decoded (data.transforms.MAX_IMAGE_PIXELS): about
 # 342 MiB, where a LAION jpg is a few MB.
 MAX_IMAGE_BYTES = 4 * MAX_IMAGE_PIXELS + 2**20
-# Any other member (a caption, img2dataset's json, a token shard's codes.npy and ids.npy): 16 MiB, where a caption
-# is a few hundred bytes, a json a few KB, and a 1024 x 1024 grid of int64 codes 8 MiB.
+# A caption: 64 KiB, 64x the ~1 KB of text the paper's 256 caption tokens hold (an alt-text caption is a few hundred
+# bytes). Tokenizing costs far more than the bytes (a 16 MiB caption: 26 s and 3 GB, for ids cut to text_len anyway).
+MAX_CAPTION_BYTES = 64 * 2**10
+CAPTION_KEYS = ("txt",)
+# Any other member (img2dataset's json, a token shard's codes.npy and ids.npy): 16 MiB, where a json is a few KB and
+# a 1024 x 1024 grid of int64 codes 8 MiB.
 MAX_MEMBER_BYTES = 16 * 2**20
 SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's own: names that are no sample's member
 
@@ -57,15 +61,22 @@ class TooLarge:
         return f"member {self.name!r} of {self.size} bytes, more than the {self.bound} allowed"
 
 
+def suffix(name: str) -> str:
+    """A member's suffix as webdataset keys the sample with it (after the first dot of its base name)."""
+    return name.rsplit("/", 1)[-1].split(".", 1)[-1].lower()
+
+
 def is_image(name: str) -> bool:
     """Whether member ``name`` is one a sample's image is read from (its suffix is one of :data:`IMAGE_KEYS`)."""
-    return name.rsplit("/", 1)[-1].split(".", 1)[-1].lower() in IMAGE_KEYS
+    return suffix(name) in IMAGE_KEYS
 
 
 def member_bound(name: str) -> int:
-    """The most bytes member ``name`` may hold: :data:`MAX_IMAGE_BYTES` for an image, :data:`MAX_MEMBER_BYTES`
-    for any other member."""
-    return MAX_IMAGE_BYTES if is_image(name) else MAX_MEMBER_BYTES
+    """The most bytes member ``name`` may hold: :data:`MAX_IMAGE_BYTES` for an image, :data:`MAX_CAPTION_BYTES` for
+    a caption, :data:`MAX_MEMBER_BYTES` for any other member."""
+    if is_image(name):
+        return MAX_IMAGE_BYTES
+    return MAX_CAPTION_BYTES if suffix(name) in CAPTION_KEYS else MAX_MEMBER_BYTES
 
 
 def compression(head: bytes) -> str | None:
