@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from dalle_lightning.plain_yaml import refuse_stored
 from dalle_lightning_plugins.io.atomic_files import write_json
 
 MARKER = ".dalle-lightning.json"
+# A marker is a few KB: its kind, what made the output, and for samples the names of the files (a thousand
+# candidates: ~20 KB). A file beyond this under the marker's name is none, and is refused before it is read whole.
+MAX_MARKER_BYTES = 16 * 2**20
 WRITERS = {"images": "dalle-data", "tokens": "dalle-encode", "samples": "dalle-generate"}
 DESCRIBED = {"images": "image shards", "tokens": "token shards", "samples": "generated samples"}
 SHARD = re.compile(r"^\d{6}\.tar$")
@@ -40,8 +44,18 @@ def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(folder) / MARKER
     inside.check(path, folder)
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None  # a folder, a FIFO or a device under the marker's name: never read (a FIFO never ends)
+        with open(path, "rb") as stream:
+            data = stream.read(MAX_MARKER_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > MAX_MARKER_BYTES:
+        raise ValueError(f"marker {str(path)!r} holds more than {MAX_MARKER_BYTES // 2**20} MiB, so it was not read; "
+                         f"expected a marker a dalle-lightning command wrote (a few KB), or delete {MARKER}")
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except ValueError:  # not UTF-8 or not JSON: not a marker
         return None
     if not isinstance(record, dict):
         return None

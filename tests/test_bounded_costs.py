@@ -320,3 +320,31 @@ def test_a_clip_checkpoint_registers_nothing_process_wide(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"its tensors are not those of the model its open_clip_spec builds \(1 "
                                          "missing"):
         Reranker.from_checkpoint(tmp_path / "short.ckpt")
+
+
+# ------------------------------------------------------------------------------------------------ output markers
+def test_a_marker_beyond_any_marker_is_refused_unread_and_a_fifo_is_not_waited_on(
+        work: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+    """A handed samples folder's ``.dalle-lightning.json`` was read whole by ``outputs.read_marker``: a sparse
+    16 MiB + 1 file is refused in one line before it is read, and a FIFO under its name (which ``read_text`` waited
+    on forever) is no marker, so the folder is nobody's output and nothing in it is deleted."""
+    import os
+
+    from dalle_lightning.outputs import MARKER, MAX_MARKER_BYTES
+
+    out = tmp_path / "samples"
+    out.mkdir()
+    (out / "0.png").write_bytes(b"a user's image")
+    with open(out / MARKER, "wb") as sparse:
+        sparse.truncate(MAX_MARKER_BYTES + 1)
+    args = [f"prior={work / 'prior.pt'}", f"dvae={work / 'dvae.pt'}", f"tokenizer={work / 'tokenizer.json'}",
+            "clip=null", "prompts=[a red square]", "num_candidates=1", "batch_size=1", "device=cpu",
+            f"out_dir={out}", f"paths.work_dir={tmp_path}"]
+    line = refused(capsys, "generate", *args)  # before: read whole, then taken for no marker
+    assert line == (f"error: marker {str(out / MARKER)!r} holds more than {MAX_MARKER_BYTES // 2**20} MiB, so it was "
+                    f"not read; expected a marker a dalle-lightning command wrote (a few KB), or delete {MARKER}"), line
+    (out / MARKER).unlink()
+    os.mkfifo(out / MARKER)
+    line = refused(capsys, "generate", *args)  # at once: the FIFO is never opened
+    assert "holds files no dalle-lightning writer made" in line, line
+    assert (out / "0.png").read_bytes() == b"a user's image"
