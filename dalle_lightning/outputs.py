@@ -16,6 +16,7 @@ import re
 import shutil
 import stat
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,14 @@ def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
         return None
     refuse_stored(record, path, fix=f"a marker a dalle-lightning command wrote (or delete {MARKER})")
     return record
+
+
+def check_split_folders(out_dir: str | os.PathLike, splits: Iterable[str], key: str = "out_dir") -> None:
+    """Each ``<out_dir>/<split>`` a writer replaces stays inside ``out_dir`` (:mod:`dalle_lightning.inside`): a split
+    folder a stranger left as a link would have its target's shards replaced, and ``rmtree`` stop on the link. The
+    ``out_dir`` itself may be a link (the user's own, on the command line)."""
+    for split in splits:
+        inside.check(Path(out_dir) / split, out_dir, key)
 
 
 def write_marker(folder: str | os.PathLike, kind: str, **record: Any) -> None:

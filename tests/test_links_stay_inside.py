@@ -304,3 +304,26 @@ def test_a_dirpath_holding_the_resuming_run_is_refused_a_copy_naming_its_old_fol
     holder = _checkpoint(tmp_path / "copies" / "holder.ckpt", str(tmp_path / "work"), str(tmp_path / "work" / "x"))
     with pytest.raises(OutsidePath, match=r"dirpath is .*, which is or holds this run's directory .*/runs/dvae/b'"):
         check_data(holder, "resume", new_run)
+
+
+def test_a_split_folder_as_a_link_out_is_refused_by_dalle_data_and_dalle_encode(
+        tiny_artifacts: Path, tiny_world: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``dalle-data`` and ``dalle-encode`` replace ``<out_dir>/<split>`` whole: a handed ``world/train`` or
+    ``tokens/train`` linking elsewhere had its target's shards replaced (``dalle-data``) or ``rmtree`` fail on the
+    link with a traceback (``dalle-encode``)."""
+    from dalle_lightning.cli import data, encode
+
+    elsewhere = _outside(tmp_path, "000000.tar").parent
+    work = tmp_path / "work"
+    (work / "world").mkdir(parents=True)
+    (work / "world" / "train").symlink_to(elsewhere)
+    line = _refused(capsys, data.main, f"paths.work_dir={work}", "n_train=8", "n_val=4", "n_zeroshot=4",
+                    "shard_size=8", "force=true")
+    assert line.startswith(_leads_out("out_dir", work / "world" / "train", elsewhere, work / "world")), line
+    (work / "tokens").mkdir()
+    (work / "tokens" / "train").symlink_to(elsewhere)
+    line = _refused(capsys, encode.main, f"paths.work_dir={work}", f"paths.world={tiny_world / 'world'}",
+                    f"dvae={tiny_artifacts / 'dvae.pt'}", f"tokenizer={tiny_artifacts / 'tokenizer.json'}",
+                    "force=true", "num_workers=0")
+    assert line.startswith(_leads_out("out_dir", work / "tokens" / "train", elsewhere, work / "tokens")), line
+    assert [p.name for p in elsewhere.iterdir()] == ["000000.tar"] and (elsewhere / "000000.tar").read_text() == KEPT

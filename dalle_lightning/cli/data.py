@@ -14,7 +14,7 @@ log = logging.getLogger("dalle_lightning.data")
 
 
 def run(cfg: DictConfig) -> dict[str, str]:
-    from dalle_lightning.outputs import claim
+    from dalle_lightning.outputs import check_split_folders, claim
     from dalle_lightning.world import write_world
     from dalle_lightning.world.scene import SPLITS
 
@@ -28,6 +28,7 @@ def run(cfg: DictConfig) -> dict[str, str]:
     checks.boolean(cfg, "force")
     checks.output_dir(cfg, "out_dir")
     out = Path(cfg.out_dir)
+    check_split_folders(out, SPLITS)
     if not cfg.force and all(claim(out / s, "images") and any((out / s).glob("*.tar")) for s in SPLITS):
         log.info("shapes world exists in %s; reusing it (force=true rewrites)", out)
         return {s: str(out / s) for s in SPLITS}

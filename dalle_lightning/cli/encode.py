@@ -29,7 +29,7 @@ from dalle_lightning.data.shards import resolve_shards
 from dalle_lightning.data.splits import AUTO, Split, resolve_splits
 from dalle_lightning.hardware import AUTO, native_bf16, resolve_device
 from dalle_lightning.lineage import check_same, dvae_record, tokenizer_record
-from dalle_lightning.outputs import claim, read_marker, replace_dir, write_marker
+from dalle_lightning.outputs import check_split_folders, claim, read_marker, replace_dir, write_marker
 from dalle_lightning.data.tokenizer import CaptionTokenizer
 from dalle_lightning_plugins.io.atomic_files import temporary_name
 
@@ -158,6 +158,7 @@ def run(cfg: DictConfig) -> dict[str, int]:
     sizes.check_encode(cfg)
     out = Path(cfg.out_dir)
     splits = input_splits(cfg)
+    check_split_folders(out, splits)
     if not cfg.force and all(claim(out / s, "tokens") and any((out / s).glob("*.tar")) for s in splits):
         check_reused(out, cfg, splits)
         log.info("token shards exist in %s; reusing them (force=true rewrites)", out)
