@@ -37,6 +37,7 @@ from dalle_lightning.plain_yaml import read_yaml, refuse_stored
 from dalle_lightning.run.checkpoint_paths import check_callback_paths
 from dalle_lightning.safe_files import UnsafeFile, load_data
 from dalle_lightning_plugins.io.checkpoint_io import checkpoint_problem
+from dalle_lightning_plugins.io.refusal import CheckpointRefused
 
 log = logging.getLogger("dalle_lightning.train")
 
@@ -193,7 +194,12 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path | None = None,
                                     f"earlier {cfg.stage.name} run of this work_dir, or resume=PATH")
         if skipped:
             log.warning("resume=auto: skipped %s; resuming from %s", _skipped(skipped), found)
-        saved = saved_values(found, "resume")  # its paths before anything is built; the fit checks the whole file
+        try:
+            saved = saved_values(found, "resume")  # its paths before anything is built; the fit checks the whole file
+        except (ValueError, CheckpointRefused):
+            raise  # a refusal: one line
+        except Exception:  # noqa: BLE001 - unreadable here, so the fit's own load fails before a callback state is used
+            saved = None
         if isinstance(saved, dict):
             check_callback_paths(saved, found, "resume", run_dir)
         return str(found)
