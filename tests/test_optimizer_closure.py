@@ -5,6 +5,7 @@ stepped on stale values. LBFGS at setup: ``tests/test_module_patterns.py`` (``li
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -56,3 +57,26 @@ def test_lbfgs_is_refused_in_one_line() -> None:
         refuse_reevaluating_optimizers([torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), lbfgs],
                                        "ShardedPowerSGDStrategy")
     assert "\n" not in str(raised.value) and "strategy='ddp'" in str(raised.value)
+
+
+def test_steps_after_one_backward_share_its_inter_node_average() -> None:
+    """Manual optimization: one ``manual_backward``, then two optimizers step (or one twice). ``ddp`` averages the
+    gradients once, in the backward; so does the strategy, in the first step, not once per step (which compressed
+    and error-fed every gradient again). The next backward's gradients are averaged again."""
+    first, second = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    optimizers = [torch.optim.SGD([first], lr=0.5), torch.optim.SGD([second], lr=0.5)]
+    averaged, reductions = AveragedStep(), []
+
+    def reduce() -> bool:
+        reductions.append(1)
+        return True
+
+    for _ in range(2):
+        first.grad, second.grad = torch.ones(2), torch.ones(2)
+        averaged.reduced = None  # as the strategy's backward leaves it when the step is to average
+        for optimizer in optimizers:
+            averaged.step(optimizer, lambda: None, None, precision=Precision(),
+                          module=SimpleNamespace(automatic_optimization=False),  # type: ignore[arg-type]
+                          base_step=lambda opt, clo, model, **kw: opt.step(clo), reduce=reduce)
+    assert len(reductions) == 2, "one inter-node average per backward"
+    assert first.tolist() == second.tolist() == [0.0, 0.0]  # every optimizer stepped on each backward's gradients

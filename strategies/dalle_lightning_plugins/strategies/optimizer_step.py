@@ -65,10 +65,11 @@ def _once(result: Any, optimizer: Optimizer) -> Callable[[], Any]:
 class AveragedStep:
     """``optimizer_step`` with the inter-node average and the skip of a non-finite update (see the module).
 
-    It owns the step's flags, which the strategy's ``backward`` sets: ``reduced`` (the average's result when the
-    backward ran it), ``overlapped`` (the last synchronised backward took the overlapped path) and
-    ``backward_start``. The strategy hands it the precision plugin, Lightning's own step (``base_step``) and its
-    ``reduce_gradients`` (which a subclass may change), so nothing is read back from the strategy."""
+    It owns the step's flags, which the strategy's ``backward`` sets: ``reduced`` (the result of the average of the
+    last backward's gradients, once the backward or a step ran it; None until then), ``overlapped`` (the last
+    synchronised backward took the overlapped path) and ``backward_start``. The strategy hands it the precision
+    plugin, Lightning's own step (``base_step``) and its ``reduce_gradients`` (which a subclass may change), so
+    nothing is read back from the strategy."""
 
     def __init__(self) -> None:
         self.reduced: bool | None = None
@@ -80,7 +81,8 @@ class AveragedStep:
              reduce: Callable[[], bool], **kwargs: Any) -> Any:
         """Run forward/backward first, so the inter-node average (and the skip decision) sits between the backward
         and the optimizer's update; the precision plugin then sees a closure that only returns."""
-        self.reduced = None
+        if module is None or module.automatic_optimization:
+            self.reduced = None  # the closure runs this update's backward (none: training_step returned None)
         result = closure()
         if isinstance(precision, MixedPrecision) and precision.scaler is not None:
             return self._scaled_step(precision, optimizer, result, model or module, reduce, **kwargs)
@@ -118,6 +120,10 @@ class AveragedStep:
         return output
 
     def take_reduction(self, reduce: Callable[[], bool]) -> bool:
-        """The result of this step's inter-node average: the one the backward ran, or run it now."""
-        reduced, self.reduced = self.reduced, None
-        return reduce() if reduced is None else reduced
+        """The result of the inter-node average of the last backward's gradients: the one the backward (or an
+        earlier step) ran, or run it now. Once per set of gradients, as ``ddp`` averages once per backward: under
+        manual optimization the steps after one ``manual_backward`` (two optimizers, or one stepped twice) share
+        it, and several ``manual_backward`` before a step are averaged once, summed."""
+        if self.reduced is None:
+            self.reduced = reduce()
+        return self.reduced

@@ -326,8 +326,8 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
             raise RuntimeError(self.inter_node.failure(error, time.perf_counter() - step.backward_start)) from error
         for p in untouched:
             p.grad = None
-        if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD):
-            step.reduced = self.reduce_gradients()
+        # new gradients: averaged here, or once by the first optimizer step that takes them (AveragedStep)
+        step.reduced = self.reduce_gradients() if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD) else None
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
