@@ -128,6 +128,7 @@ class OverlappedExchange:
         self._row_sparse: dict[str, tuple[int, int, int]] = {}  # table sent by used rows -> (offset, held, rows)
         self._replicated: list[nn.Parameter] = []  # whole on every rank of a sharded node: averaged over every rank
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._attached, self._trainable = None, []  # attach()'s arguments, each parameter's requires_grad then
         self._active = False
         self._flights: list[_Flight] = []  # issued this step, in bucket order
         self._unscale: Callable[[list[torch.Tensor]], None] | None = None
@@ -147,12 +148,20 @@ class OverlappedExchange:
         Sharded parameters (FSDP2 units at several devices per node) are hooked the same way: FSDP2 calls their
         post-accumulate-grad hooks once it has reduce-scattered the unit's gradients within the node, so each
         bucket leaves for the other nodes as soon as its unit is averaged over its own. ``replicated``: the
-        parameters FSDP2 left whole, averaged over every rank at the end instead."""
+        parameters FSDP2 left whole, averaged over every rank at the end instead. Of the parameters found here (in a
+        backward FSDP2 holds the root unit's gathered ones instead), one frozen or unfrozen later
+        (``BackboneFinetuning``) is bucketed anew by the next :meth:`begin` of an overlapped backward."""
+        self._bucket(list(module.named_parameters()), block_names, uncompressed, row_sparse, replicated)
+
+    def _bucket(self, every: list[tuple[str, nn.Parameter]], block_names: Sequence[str], uncompressed: set[str],
+                row_sparse: set[str], replicated: Sequence[nn.Parameter]) -> None:  # attach() on what it found
         self.detach()
+        self._attached = (every, block_names, uncompressed, row_sparse, replicated)
+        self._trainable = [(p, p.requires_grad) for _, p in every]
         self._uncompressed = set(uncompressed)
         self._replicated = [p for p in replicated if p.requires_grad]
         whole = {id(p) for p in self._replicated}
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in whole]
+        named = [(n, p) for n, p in every if p.requires_grad and id(p) not in whole]
         taken: set[int] = set()
         blocks: list[Bucket] = []
         for block in block_names:
@@ -188,7 +197,7 @@ class OverlappedExchange:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.buckets = []
+        self.buckets, self._attached, self._trainable = [], None, []
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
@@ -226,6 +235,8 @@ class OverlappedExchange:
         ``unscale``: a loss-scaling precision's ``unscale_group``, applied to each group before it is sent."""
         if self._flights:
             raise RuntimeError("OverlappedExchange.begin() with an exchange still in flight; finish() it first")
+        if active and self._attached and any(p.requires_grad != was for p, was in self._trainable):
+            self._bucket(*self._attached)  # the same on every rank: ddp too needs every rank to (un)freeze alike
         self._active = active and bool(self.buckets)
         self._unscale = unscale
         self.waiting_on = ""

@@ -282,12 +282,13 @@ def give_back(root: nn.Module, released: dict[str, Released], device: torch.devi
     """Collective over the shard axis: each user tensor whole again, from the stand-ins, one tensor at a time (the
     peak is one gathered tensor). A released one is allocated anew (on ``device``, else where it was); a kept one
     takes the values in place. A tensor the precision plugin gave another dtype (``"16-true"``) takes that dtype, as
-    ``ddp`` leaves it."""
+    ``ddp`` leaves it; a parameter the stage froze or unfroze (``BackboneFinetuning``) keeps that ``requires_grad``."""
     originals = root.originals
     for name, value in _named_tensors(root):
         whole = value.full_tensor() if isinstance(value, DTensor) else value
         entry = released.pop(name, None)
         target = entry.tensor if entry is not None else _user_tensor(originals, name, isinstance(value, nn.Parameter))
+        target.requires_grad_(value.requires_grad)  # set on the stand-in during the stage (False for a buffer)
         if entry is None and target.dtype == whole.dtype and target.shape == whole.shape:
             target.copy_(whole)
             continue
@@ -305,6 +306,7 @@ def restore_locally(root: nn.Module, released: dict[str, Released], device: torc
     trained value); kept tensors hold the values from before the stage. Returns whether any was released."""
     any_released = bool(released)
     for name, value in _named_tensors(root):
+        _user_tensor(root.originals, name, isinstance(value, nn.Parameter)).requires_grad_(value.requires_grad)
         entry = released.pop(name, None)
         if entry is None:
             continue
