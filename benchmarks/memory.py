@@ -23,7 +23,8 @@ Per rank, in units of P (the model's fp32 bytes), above the memory after the imp
 Rows: ``ddp``; ``model_parallel`` (Lightning's ``ModelParallelStrategy``, the user's ``configure_model`` calling
 ``fully_shard`` per block and on the root); the strategy at ``devices_per_node`` 2 (one node of 2: FSDP2 within it)
 and 1 (nodes of 1: PowerSGD, nothing sharded), with ``full_weights_after=True``; each plainly and, with ``_empty``
-in its name, built under ``trainer.init_module(empty_init=True)``. A row whose ``devices_per_node`` does not divide
+in its name, built under ``trainer.init_module(empty_init=True)``; ``dpn2_undeclared`` names no block class (the
+strategy's default units: the entries of the model's ``nn.ModuleList``, the blocks ``model_parallel`` shards). A row whose ``devices_per_node`` does not divide
 the world is reported as skipped.
 
 Usage: ``python benchmarks/memory.py [--device cpu|cuda] [--world N] [--blocks 12 --width 1536 --steps 3]
@@ -47,7 +48,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("ddp", "ddp_empty", "model_parallel", "model_parallel_empty", "dpn2", "dpn2_empty", "dpn1", "dpn1_empty")
+ROWS = ("ddp", "ddp_empty", "model_parallel", "model_parallel_empty", "dpn2", "dpn2_empty", "dpn1", "dpn1_empty",
+        "dpn2_undeclared")
 
 
 def _status_bytes(key: str) -> int:
@@ -88,8 +90,8 @@ class _Meter:
 def _skipped(row: str, world: int) -> str | None:
     """Why ``row`` cannot run on ``world`` processes, or None."""
     kind = row.removesuffix("_empty")
-    if kind.startswith("dpn") and world % int(kind[3:]):
-        return f"devices_per_node {kind[3:]} does not divide the world of {world}"
+    if kind.startswith("dpn") and world % int(kind[3]):
+        return f"devices_per_node {kind[3]} does not divide the world of {world}"
     return None
 
 
@@ -118,7 +120,12 @@ def _worker(row: str, args: argparse.Namespace) -> None:
     class MLP(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.Sequential(*(Block() for _ in range(args.blocks)))
+            self.blocks = nn.ModuleList(Block() for _ in range(args.blocks))  # as a transformer's layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
 
         def configure_model(self) -> None:
             if isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -128,7 +135,7 @@ def _worker(row: str, args: argparse.Namespace) -> None:
                 fully_shard(self, mesh=mesh)
 
         def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            return F.mse_loss(self.blocks(batch[0]), batch[1])
+            return F.mse_loss(self(batch[0]), batch[1])
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
@@ -149,8 +156,9 @@ def _worker(row: str, args: argparse.Namespace) -> None:
     elif kind == "model_parallel":
         strategy = ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1)
     else:
-        strategy = ShardedPowerSGDStrategy(devices_per_node=int(kind[3:]), block_classes=[Block],
-                                           full_weights_after=True, powersgd_rank=4)
+        declared = {} if kind.endswith("_undeclared") else {"block_classes": [Block]}  # else: its ModuleList's entries
+        strategy = ShardedPowerSGDStrategy(devices_per_node=int(kind[3]), full_weights_after=True, powersgd_rank=4,
+                                           **declared)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * args.steps, width), torch.randn(8 * args.steps, width))
     loader = DataLoader(data, batch_size=8)

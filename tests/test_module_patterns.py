@@ -5,7 +5,8 @@ The patterns (``tests/helpers/lightning_patterns.py``) are those a Lightning use
 built in ``__init__`` or in ``configure_optimizers``, a parameter of the module tied to a child's, weights tied
 across children, a shared child, a list attribute holding a child, a frozen child, a child with buffers only, a
 parameter of the module itself, ``configure_model``, a model built under ``init_module(empty_init=True)``, gradient
-accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure) and a sparse embedding (refused). Each is fitted on 2 gloo processes under ``ddp`` (the
+accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a sparse embedding (refused), and modules
+that declare no blocks (an ``nn.ModuleList`` of blocks, and none). Each is fitted on 2 gloo processes under ``ddp`` (the
 reference) and under the strategy, in one launch (start-up is the expensive part), from the same seed and data,
 with validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
 device), the parameter objects themselves (the user's own, by identity, under their names), and
@@ -42,10 +43,15 @@ EXPECTED: dict[str, str] = {"tied_attribute": "refused", "taps_list": "refused",
                             "sparse_embedding": "refused"}
 
 
-def _strategy(layout: str) -> Any:
+# Trained with no block declared: the strategy's default units (the nn.ModuleList's entries; else the whole module).
+UNDECLARED = ("undeclared_list", "undeclared_whole")
+
+
+def _strategy(layout: str, case: str) -> Any:
     if layout == "ddp":
         return DDPStrategy(process_group_backend="gloo")
-    return ShardedPowerSGDStrategy(devices_per_node=2, block_patterns=["body.*"], timeout=90, full_weights_after=True)
+    blocks = {} if case in UNDECLARED else {"block_patterns": ["body.*"]}
+    return ShardedPowerSGDStrategy(devices_per_node=2, timeout=90, full_weights_after=True, **blocks)
 
 
 def _loader(rank: int) -> DataLoader:
@@ -66,7 +72,7 @@ def _build(case: str, layout: str) -> tuple[torch.nn.Module, L.Trainer]:
     args = dict(accelerator="cpu", devices=WORLD, max_steps=4, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                 use_distributed_sampler=False, val_check_interval=2, limit_val_batches=2)
-    trainer = L.Trainer(strategy=_strategy(layout), **{**args, **TRAINER_ARGS.get(case, {})})
+    trainer = L.Trainer(strategy=_strategy(layout, case), **{**args, **TRAINER_ARGS.get(case, {})})
     if case == "init_module_empty":
         reference = Base().state_dict()
         with trainer.init_module(empty_init=True):

@@ -217,6 +217,20 @@ class SparseEmbedding(Base):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ListBody(Base):
+    """Blocks in an ``nn.ModuleList`` looped over in ``forward``, as a transformer's layers (nanoGPT's ``h``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.ModuleList([_mlp(), _mlp()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for block in self.body:
+            x = block(x)
+        return self.head(x)
+
+
 class _Blocks(nn.Sequential):
     """A user's own container of blocks, with its own ``forward`` (torch 2.9 compiles no frame of torch's own
     modules: ``nn.Sequential(...).compile()`` runs eagerly there, under any strategy)."""
@@ -271,6 +285,8 @@ PATTERNS: dict[str, type[Base]] = {
     "manual": Manual,
     "line_search": LineSearch,
     "sparse_embedding": SparseEmbedding,
+    "undeclared_list": ListBody,
+    "undeclared_whole": Base,
     "compiled_child": CompiledChild,
 }
 

@@ -19,12 +19,32 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dalle_lightning_plugins import compat
-from dalle_lightning_plugins.protocol import blocks_tied_outside, find_resblocks
+from dalle_lightning_plugins.protocol import RESBLOCKS_METHOD, blocks_tied_outside, find_resblocks
 from dalle_lightning_plugins.strategies.broadcasts import broadcast_replicas
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
 from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot, check_units_ran, hook_lightning_module, reshard_all
 from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
+
+
+def declares_resblocks(module: nn.Module) -> bool:
+    """Whether any submodule of ``module`` has the ``resblocks()`` method of the protocol."""
+    return any(callable(getattr(m, RESBLOCKS_METHOD, None)) for m in module.modules())
+
+
+def default_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units of a module that names none: the entries (holding parameters) of its outermost ``nn.ModuleList``s,
+    as torchtitan and Hugging Face shard a transformer's layers; none (the whole module one unit) without one."""
+    found: dict[int, tuple[str, nn.Module]] = {}  # an entry in two lists (or twice in one) is one unit
+    lists: list[str] = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.ModuleList) or any(name.startswith(f"{outer}.") for outer in lists):
+            continue
+        lists.append(name)
+        for i, entry in enumerate(child):
+            if next(entry.parameters(), None) is not None:
+                found.setdefault(id(entry), (f"{name}.{i}".lstrip("."), entry))
+    return list(found.values())
 
 
 class ShardedModel:
@@ -50,7 +70,14 @@ class ShardedModel:
         """The blocks that become FSDP units (and the overlapped exchange's buckets): the configured classes and
         patterns, else the model's ``resblocks()``; blocks that share weights with the rest of the model are sharded
         with it, said in one line naming ``owner``."""
-        blocks = find_resblocks(module, list(block_classes) or None, list(block_patterns) or None)
+        if block_classes or block_patterns or declares_resblocks(module):
+            blocks = find_resblocks(module, list(block_classes) or None, list(block_patterns) or None)
+        else:
+            blocks = default_blocks(module)
+            rank_zero_info(f"{owner}: {type(module).__name__} declares no blocks, so "
+                           + (f"each of the {len(blocks)} entries of its nn.ModuleList(s) (first: {blocks[0][0]}) is "
+                              "an FSDP2 unit" if blocks else "the whole module is one FSDP2 unit (no nn.ModuleList)")
+                           + "; block_classes, block_patterns or a resblocks() method choose others")
         tied = blocks_tied_outside(module, blocks) if shard_size > 1 else []
         if tied:
             rank_zero_info(f"{owner}: {len(tied)} block(s) share weights with the rest of the model "
