@@ -5,8 +5,10 @@ The patterns (``tests/helpers/lightning_patterns.py``) are those a Lightning use
 built in ``__init__`` or in ``configure_optimizers``, a parameter of the module tied to a child's, weights tied
 across children, a shared child, a list attribute holding a child, a frozen child, a child with buffers only, a
 parameter of the module itself, ``configure_model``, a model built under ``init_module(empty_init=True)``, gradient
-accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a sparse embedding (refused), and modules
-that declare no blocks (an ``nn.ModuleList`` of blocks, and none). Each is fitted on 2 gloo processes under ``ddp`` (the
+accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a sparse embedding (refused), modules
+that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code reading a unit's weight outside the
+unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made in ``__init__``, a head tied through
+``F.linear``, ``MultiheadAttention``'s ``out_proj``). Each is fitted on 2 gloo processes under ``ddp`` (the
 reference) and under the strategy, in one launch (start-up is the expensive part), from the same seed and data,
 with validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
 device), the parameter objects themselves (the user's own, by identity, under their names), and
@@ -39,18 +41,24 @@ CASES = [*PATTERNS, "init_module_empty"]
 # registers itself that is also a child's (it would stay whole beside the child's shards), and a child reached
 # through a plain list attribute (the user's own child, whose storage the stage holds as shards).
 # LBFGS re-evaluates its closure and reads whole gradients, and FSDP2 cannot shard a sparse gradient: refused at setup.
+# A gradient hook computing with a shard (Lightning's grad_norm) is refused in one line naming the gradient.
 EXPECTED: dict[str, str] = {"tied_attribute": "refused", "taps_list": "refused", "line_search": "refused",
-                            "sparse_embedding": "refused"}
+                            "sparse_embedding": "refused", "grad_norm_logged": "refused"}
+# What a refusal names, where the test pins it.
+REFUSED_SAYS = {"grad_norm_logged": "on_before_optimizer_step computes with inp.weight.grad, which holds this rank's shard"}
 
 
 # Trained with no block declared: the strategy's default units (the nn.ModuleList's entries; else the whole module).
-UNDECLARED = ("undeclared_list", "undeclared_whole")
+UNDECLARED = ("undeclared_list", "undeclared_whole", "weight_penalty", "penalty_list", "tied_functional")
+# Blocks a case declares by class: every nn.Linear (MultiheadAttention's out_proj a unit its parent reads directly).
+BLOCK_CLASSES: dict[str, list[type[torch.nn.Module]]] = {"parent_reads_child": [torch.nn.Linear]}
 
 
 def _strategy(layout: str, case: str) -> Any:
     if layout == "ddp":
         return DDPStrategy(process_group_backend="gloo")
-    blocks = {} if case in UNDECLARED else {"block_patterns": ["body.*"]}
+    blocks = ({} if case in UNDECLARED else {"block_classes": BLOCK_CLASSES[case]} if case in BLOCK_CLASSES
+              else {"block_patterns": ["body.*"]})
     return ShardedPowerSGDStrategy(devices_per_node=2, timeout=90, full_weights_after=True, **blocks)
 
 
@@ -95,7 +103,7 @@ def _fit(case: str, layout: str, rank: int) -> dict[str, Any]:
             outcome = f"refused: {type(error).__name__}: {error}"
     return {"outcome": outcome, "before": before, "after": _state(module), "model_is_module": trainer.model is module,
             "compiled": {k: n - compiles[k] for k, n in CompiledChild.compiles.items()},
-            "said": [str(w.message) for w in said]}
+            "said": [str(w.message) for w in said], "seen": getattr(module, "seen", None)}
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -125,6 +133,7 @@ def test_pattern_trains_as_ddp_or_is_refused_in_one_line(results: list[dict[str,
         assert outcome.split(":")[0] == EXPECTED.get(case, "trained"), (rank, outcome)
         if outcome != "trained":  # one line, the same on every rank, and nothing moved
             assert "\n" not in outcome, outcome
+            assert REFUSED_SAYS.get(case, "") in outcome, outcome
             assert outcome == results[0][(case, "dpn2")]["outcome"]
             if ours["before"] is not None:
                 _assert_same(ours["after"]["values"], ours["before"]["values"], atol=0)
@@ -137,6 +146,8 @@ def test_pattern_trains_as_ddp_or_is_refused_in_one_line(results: list[dict[str,
             moved = [n for n, v in ddp["after"]["values"].items() if not torch.equal(v, ddp["before"]["values"][n])]
             assert moved, "the reference trained nothing"
         assert ours["model_is_module"] and ddp["model_is_module"]
+        if ddp["seen"] is not None:  # gradients read whole in a hook: ddp's
+            torch.testing.assert_close(torch.tensor(ours["seen"]), torch.tensor(ddp["seen"]), atol=2e-6, rtol=0)
         if case == "compiled_child":  # each child's graphs compiled during the fit, in ours as in ddp's, unsaid
             assert all(ours["compiled"].values()) and all(ddp["compiled"].values()), (rank, ours, ddp)
             assert not [m for m in ours["said"] if "compile" in m], ours["said"]

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
 WIDTH = 12
@@ -231,6 +232,69 @@ class ListBody(Base):
         return self.head(x)
 
 
+class WeightPenalty(ListBody):
+    """An L2 penalty on a block's weight, read in ``training_step`` outside the block's ``forward``
+    (Lightning-Bolts' ``LogisticRegression`` regularises ``self.linear.weight`` so)."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 1e-2 * self.body[0][0].weight.pow(2).sum()
+
+
+class PenaltyList(ListBody):
+    """A penalty over parameters captured in a plain list in ``__init__`` (the user's own parameter objects)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regularised = [self.body[1][2].weight, self.head.weight]
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 1e-2 * sum(p.abs().sum() for p in self.regularised)
+
+
+class TiedFunctional(ListBody):
+    """A parent reading a block's weight without calling the block: ``F.linear(x, self.body[1][2].weight)``, as
+    a head tied to an embedding by hand."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for block in self.body:
+            x = block(x)
+        return self.head(torch.tanh(F.linear(x, self.body[1][2].weight)))
+
+
+class ParentReadsChild(Base):
+    """``nn.MultiheadAttention``, which hands ``out_proj.weight`` to ``F.multi_head_attention_forward`` without
+    calling ``out_proj`` (trained with ``block_classes=[nn.Linear]``, so ``out_proj`` is a unit of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).unsqueeze(1)
+        return self.head(self.body(self.attn(h, h, h, need_weights=False)[0].squeeze(1)))
+
+
+class GradNormLogged(Base):
+    """Lightning's documented recipe: ``self.log_dict(grad_norm(self, norm_type=2))`` in ``on_before_optimizer_step``."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+class GradientsRead(Base):
+    """``on_after_backward`` reads every gradient whole (``.full_tensor()`` where it is a strategy's shard) and
+    keeps the norms (``seen``), as a user's gradient monitor does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[float]] = []
+
+    def on_after_backward(self) -> None:
+        whole = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in self.parameters()]
+        self.seen.append([float(g.norm()) for g in whole])
+
+
 class _Blocks(nn.Sequential):
     """A user's own container of blocks, with its own ``forward`` (torch 2.9 compiles no frame of torch's own
     modules: ``nn.Sequential(...).compile()`` runs eagerly there, under any strategy)."""
@@ -288,7 +352,15 @@ PATTERNS: dict[str, type[Base]] = {
     "undeclared_list": ListBody,
     "undeclared_whole": Base,
     "compiled_child": CompiledChild,
+    "weight_penalty": WeightPenalty,
+    "penalty_list": PenaltyList,
+    "tied_functional": TiedFunctional,
+    "parent_reads_child": ParentReadsChild,
+    "own_parameter_clipped": OwnParameter,
+    "grad_norm_logged": GradNormLogged,
+    "gradients_read": GradientsRead,
 }
 
 # Trainer arguments a pattern needs besides the defaults.
-TRAINER_ARGS: dict[str, dict[str, Any]] = {"accumulating": {"accumulate_grad_batches": 2}}
+TRAINER_ARGS: dict[str, dict[str, Any]] = {"accumulating": {"accumulate_grad_batches": 2},
+                                           "own_parameter_clipped": {"gradient_clip_val": 0.05}}

@@ -44,7 +44,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dalle_lightning_plugins import compat
-
 from dalle_lightning_plugins.strategies import sharded_root, stand_ins
 from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
 from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
@@ -321,7 +320,8 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
             self.inter_node.exchange.begin(active=path is ExchangePath.OVERLAPPED, unscale=unscale)
         try:
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            with self.stage.shards_read():  # manual_backward inside training_step: FSDP2's hooks meet the shards
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         except ExchangeError as error:  # a bucket's collective, issued from a gradient hook, failed
             raise RuntimeError(self.inter_node.failure(error, time.perf_counter() - step.backward_start)) from error
         for p in untouched:
@@ -353,9 +353,10 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        output = self.averaged_step.step(optimizer, closure, model, precision=self.precision_plugin,
-                                         module=self.lightning_module, base_step=super().optimizer_step,
-                                         reduce=self.reduce_gradients, **kwargs)
+        with self.stage.shards_read():  # opt.step() inside training_step (manual optimization) updates the shards
+            output = self.averaged_step.step(optimizer, closure, model, precision=self.precision_plugin,
+                                             module=self.lightning_module, base_step=super().optimizer_step,
+                                             reduce=self.reduce_gradients, **kwargs)
         if self.inter_node.exchange is not None:  # overlap="auto": every update's time, for the choice of path
             self.inter_node.choice.record(time.perf_counter() - start, self.averaged_step.overlapped, self.root_device)
         return output

@@ -12,7 +12,7 @@ Everything here is about the ``"shard"`` axis of the mesh (the devices of one no
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from dalle_lightning_plugins.strategies.shard_reads import ShardReads, guard_gradient_hooks
 
 
 class ShardedRoot(nn.Module):
@@ -49,12 +51,36 @@ class ShardedRoot(nn.Module):
         object.__setattr__(self, "owner_hooks", [])  # handles of hooks on the LightningModule, for this stage only
         object.__setattr__(self, "released", {})  # parameter or buffer name -> stand_ins.Released
         object.__setattr__(self, "guards", [])  # forward pre-hooks on the user's children, for this stage only
+        object.__setattr__(self, "reads", None)  # shard_reads.ShardReads of this stage (sharded stand-ins only)
         for name, part in parts.items():
             self.add_module(name, part)  # a clash with an attribute above raises here, naming it
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.owner(*args, **kwargs)
+        if self.originals is None or not isinstance(self, FSDPModule):
+            return self.owner(*args, **kwargs)
+        if self.reads is None:
+            object.__setattr__(self, "reads", ShardReads(self.stand_in_reads()))
+        with self.reads.reading():  # a sharded parameter read outside its unit's forward is read whole (shard_reads)
+            return self.owner(*args, **kwargs)
+
+    def stand_in_reads(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """For each user tensor the stage released (a list made before the stage may still hold it): the stand-in's
+        tensor under the same name, as it is when read."""
+        return {id(entry.tensor): functools.partial(self.current, name) for name, entry in self.released.items()}
+
+    def current(self, name: str) -> torch.Tensor:
+        owner, _, leaf = name.rpartition(".")
+        return getattr(self.get_submodule(owner), leaf)
+
+    @contextmanager
+    def shards_read(self) -> Generator[None, None, None]:
+        """The shards themselves, not whole reads, for a backward or an optimizer step run inside a step."""
+        if self.reads is None:
+            yield None
+            return
+        with self.reads.pause():
+            yield None
 
     def remove_owner_hooks(self) -> None:
         """Take the strategy's hooks off the LightningModule (teardown: the module leaves as it came)."""
@@ -93,10 +119,16 @@ def gather_root_before_forward(root: ShardedRoot) -> None:
 
 
 def hook_lightning_module(root: ShardedRoot) -> None:
-    """The LightningModule's own forward (``self(x)`` in a step) gathers the root unit too, for this stage:
-    :meth:`ShardedRoot.remove_owner_hooks` takes it off at teardown."""
-    if getattr(root, "probe", None) is not None and not root.owner_hooks:
+    """The LightningModule's own forward (``self(x)`` in a step) gathers the root unit too, and its and the
+    callbacks' gradient hooks refuse a computation on a shard, for this stage: :meth:`ShardedRoot.remove_owner_hooks`
+    takes them off at teardown."""
+    object.__setattr__(root, "reads", None)  # built again at the stage's first forward, from its released tensors
+    if root.owner_hooks:
+        return
+    if getattr(root, "probe", None) is not None:
         root.owner_hooks.append(root.owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root)))
+    if isinstance(root, FSDPModule) and root.originals is not None:  # hooks reading gradients: shards (shard_reads)
+        root.owner_hooks.extend(guard_gradient_hooks(root.owner, "ShardedPowerSGDStrategy"))
 
 
 def _gather_if_sharded(root: ShardedRoot, *_: Any) -> None:

@@ -9,20 +9,22 @@ need instead of reading each other's attributes, and so that a pickled strategy 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.protocol import RESBLOCKS_METHOD, blocks_tied_outside, find_resblocks
 from dalle_lightning_plugins.strategies.broadcasts import broadcast_replicas
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
 from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot, check_units_ran, hook_lightning_module, reshard_all
+from dalle_lightning_plugins.strategies.mixed_lists import MixedLists
 from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
 
@@ -150,7 +152,9 @@ class ShardedModel:
         # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
         # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
         # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
-        untouched = [p for name in idle for p in self.blocks[name].parameters() if p.grad is None]
+        read = root.reads.read if root.reads is not None else set()  # read whole in the step: they get gradients
+        untouched = [p for name in idle for p in self.blocks[name].parameters() if p.grad is None and id(p) not in read]
+        read.clear()
         if root.gathered_outside:
             # A loss from a forward outside ShardedRoot.forward (a second update through the embedding and
             # head only) carries no FSDP2 root hook: without one the root unit's gradients are never
@@ -158,6 +162,16 @@ class ShardedModel:
             root.gathered_outside = False
             compat.register_root_pre_backward(root, closure_loss)
         return idle + repeated, untouched
+
+    @contextmanager
+    def shards_read(self) -> Generator[None, None, None]:
+        """For a backward or an optimizer step: the shards themselves, not whole reads, where a ``training_step``
+        runs them (manual optimization; :mod:`~dalle_lightning_plugins.strategies.shard_reads`), and ``foreach``
+        calls that take the LightningModule's own plain parameters with the shards (:mod:`~.mixed_lists`)."""
+        root = self.root
+        with (root.shards_read() if isinstance(root, ShardedRoot) else nullcontext()), \
+                (MixedLists() if isinstance(root, FSDPModule) else nullcontext()):
+            yield None
 
     def pickled(self) -> ShardedModel:
         """What a pickled strategy keeps: the block names, without the stand-ins (FSDP2 makes

@@ -1,0 +1,211 @@
+"""User code in a step that reads a sharded parameter outside its unit's ``forward`` gets the whole parameter, as
+under ``ddp``.
+
+FSDP2 gathers a unit's parameters only around the unit's own ``forward``. Code that reads them elsewhere meets
+this rank's shard (a DTensor): a weight penalty in ``training_step`` (``self.fc.weight.pow(2).sum()``), a parent
+reading a child's weight without calling it (``MultiheadAttention`` passes ``out_proj.weight`` to
+``F.multi_head_attention_forward``; a head tied through ``F.linear(x, self.emb.weight)``), and parameters captured
+in a list before the stage (which hold the user's released tensors). During a sharded stage's steps a torch
+function mode (:class:`ShardReads`, entered around ``training_step``/``validation_step``) hands such a call the
+whole parameter instead: gathered over the node (:class:`GatherForRead`, differentiable), its gradient averaged
+over the node and added to the shard's, which is what ``ddp``'s average of the same term gives. A user's own
+parameter captured before the stage reads its stand-in.
+
+The mode looks only at a call's arguments (one level, and the lists of ``foreach`` calls): a step that reads no
+sharded parameter outside a unit costs a type check per argument. Each read is one all-gather over the node, so
+every rank of the node must make it, as every rank runs the same ``training_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+from torch.overrides import TorchFunctionMode
+
+
+class GatherForRead(torch.autograd.Function):
+    """A sharded parameter whole on every rank of the node; backward: the node's average of the whole gradient,
+    reduce-scattered to this rank's shard (so the term's gradient is averaged as ``ddp`` averages it)."""
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.placements = param.device_mesh, param.placements
+        return param.full_tensor()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        partial = DTensor.from_local(grad / ctx.mesh.size(), ctx.mesh, [Partial()] * ctx.mesh.ndim, run_check=False)
+        return partial.redistribute(ctx.mesh, ctx.placements)
+
+
+# Tensor methods that read no values: a shard answers them as the whole parameter would (a DTensor's size is global).
+METADATA = frozenset({"size", "dim", "ndimension", "stride", "numel", "nelement", "element_size", "is_floating_point",
+                      "is_complex", "is_contiguous", "storage_offset", "data_ptr", "untyped_storage", "get_device",
+                      "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "to_local",
+                      "full_tensor", "redistribute"})
+
+
+def is_sharded_parameter(value: Any) -> bool:
+    """FSDP2's sharded parameters are DTensors marked as parameters (gradients and activations are not)."""
+    return type(value) is DTensor and getattr(value, "_is_param", False)
+
+
+class ShardReads(TorchFunctionMode):
+    """Whole parameters for torch calls that receive a sharded one (see the module). ``stand_in_of`` maps the id of
+    a user's released tensor to a function returning the stand-in's tensor that holds its values now."""
+
+    def __init__(self, stand_in_of: dict[int, Callable[[], torch.Tensor]]) -> None:
+        super().__init__()
+        self.stand_in_of = stand_in_of
+        self.paused = 0  # an optimizer step or a backward inside the step (manual optimization) reads the shards
+        self.read: set[int] = set()  # sharded parameters read whole with autograd on since the last backward
+
+    def _whole(self, value: Any) -> Any:
+        if type(value) is nn.Parameter or type(value) is torch.Tensor:
+            find = self.stand_in_of.get(id(value))
+            if find is None:
+                return value
+            value = find()
+        if is_sharded_parameter(value):
+            if torch.is_grad_enabled() and value.requires_grad:
+                self.read.add(id(value))  # a gradient comes, even where the unit itself never ran
+            return GatherForRead.apply(value)
+        return value
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.paused or torch.compiler.is_compiling():  # dynamo traces an active mode: inside a compiled region
+            # (a unit's own forward, whose parameters are whole there) it adds nothing to the graph, which is ddp's
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in METADATA or name.startswith("__") or name.endswith("_"):
+            # no values read (``p.grad``, ``p.shape``, ``hash(p)``), or written in place on the shard (``p.clamp_``)
+            return func(*args, **kwargs)
+        args = tuple(self._whole_or_list(a) for a in args)
+        kwargs = {k: self._whole_or_list(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    @contextmanager
+    def reading(self) -> Generator[None, None, None]:
+        """Whole reads for a step, even one an optimizer step runs (its closure, under automatic optimization)."""
+        paused, self.paused = self.paused, 0
+        try:
+            with self:
+                yield
+        finally:
+            self.paused = paused
+
+    @contextmanager
+    def pause(self) -> Generator[None, None, None]:
+        """The shards themselves for a while: an optimizer's step, or a backward, run inside ``training_step``."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def _whole_or_list(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return type(value)(self._whole(v) for v in value)
+        return self._whole(value)
+
+
+# Hooks that read gradients: each rank holds its shard of every gradient there (a DTensor).
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+# Reads that leave DTensor's semantics: a value on the host, or a plain tensor made from DTensors.
+HOST_READS = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__", "tensor",
+                        "as_tensor"})
+
+
+class GradientReads(TorchFunctionMode):
+    """One line, naming the parameter, where a hook leaves DTensor's semantics with a value computed from a shard:
+    a host read of a value that is not whole (``float(p.grad.norm())`` would be this rank's part, silently), a
+    plain tensor made from DTensors (Lightning's ``grad_norm``), or a shard mixed with a plain tensor. DTensor's
+    own arithmetic (``.clone()``, ``.norm()``, ``.full_tensor()``, writes in place) passes, as do a user's own
+    DTensors (only the stage's parameters and gradients, and values computed from them, are followed)."""
+
+    def __init__(self, owner: str, hook: str, module: nn.Module) -> None:
+        super().__init__()
+        self.owner, self.hook, self.module = owner, hook, module
+        self.sources: dict[int, str] | None = None  # the stage's tensors, by their local storage
+        self.derived: dict[int, tuple[str, Any]] = {}  # id of a DTensor computed here -> (its source, the value)
+
+    def _source(self, value: Any) -> str | None:
+        if not isinstance(value, DTensor):
+            return None
+        if id(value) in self.derived:
+            return self.derived[id(value)][0]
+        if self.sources is None:
+            self.sources = {}
+            for name, p in self.module.named_parameters():
+                for tensor, label in ((p, name), (p.grad, f"{name}.grad")):
+                    if isinstance(tensor, DTensor):
+                        self.sources[tensor.to_local().data_ptr()] = label
+        return self.sources.get(value.to_local().data_ptr())
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        flat = [i for v in (*args, *kwargs.values()) for i in (v if isinstance(v, (list, tuple)) else (v,))]
+        source = next((s for s in map(self._source, flat) if s is not None), None)
+        if source is not None:
+            whole = all(isinstance(i, DTensor) and all(pl.is_replicate() for pl in i.placements)
+                        for i in flat if isinstance(i, DTensor))
+            mixed = any(type(i) is torch.Tensor or type(i) is nn.Parameter for i in flat)
+            if (name in HOST_READS and not whole) or (mixed and name not in METADATA and not name.startswith("__")):
+                raise RuntimeError(self.line(source))
+        result = func(*args, **kwargs)
+        if source is not None and isinstance(result, DTensor) and name != "__get__":  # ``p.grad``: found by storage
+            self.derived[id(result)] = (source, result)  # the value is kept so that its id stays its own
+        return result
+
+    def line(self, source: str) -> str:
+        return (f"{self.owner}: {self.hook} computes with {source}, which holds this rank's shard in a sharded "
+                f"stage (a DTensor), so the value is not ddp's; read .full_tensor() for ddp's whole tensor (a "
+                f"collective: every rank of the node calls it), or use devices_per_node=1")
+
+
+class GuardedHook:
+    """A removable handle: ``obj.<hook>`` runs under :class:`GradientReads` until :meth:`remove` (the stage's end)."""
+
+    def __init__(self, obj: Any, hook: str, owner: str, module: nn.Module) -> None:
+        self.obj, self.hook = obj, hook
+        self.previous = obj.__dict__.get(hook, _ABSENT)
+        original = getattr(obj, hook)
+        label = hook if obj is module else f"{type(obj).__name__}.{hook}"
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            with GradientReads(owner, label, module):
+                return original(*args, **kwargs)
+
+        obj.__dict__[hook] = guarded
+
+    def remove(self) -> None:
+        if self.previous is _ABSENT:
+            self.obj.__dict__.pop(self.hook, None)
+        else:
+            self.obj.__dict__[self.hook] = self.previous
+
+
+_ABSENT = object()
+
+
+def guard_gradient_hooks(module: Any, owner: str) -> list[GuardedHook]:
+    """Guard the gradient hooks the LightningModule and the Trainer's callbacks override, for a sharded stage."""
+    from lightning.pytorch import Callback, LightningModule
+
+    trainer = getattr(module, "_trainer", None)
+    callbacks = list(trainer.callbacks) if trainer is not None else []
+    guarded = []
+    for obj, base in ((module, LightningModule), *((c, Callback) for c in callbacks)):
+        for hook in GRADIENT_HOOKS:
+            if getattr(type(obj), hook, None) is not getattr(base, hook, None):
+                guarded.append(GuardedHook(obj, hook, owner, module))
+    return guarded
