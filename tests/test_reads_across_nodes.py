@@ -14,13 +14,11 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
-from tests.test_strategy_common import (VOCAB, WIDTH, Branch, external_launch_env, loader, loss_fn, token_dataset,
-                                        trainer)
+from tests.test_strategy_common import (VOCAB, WIDTH, Branch, external_launch_env, layout_strategy, loader, loss_fn,
+                                        token_dataset, trainer)
 
 WORLD, BATCHES, EPOCHS = 4, 3, 2
 LAYOUTS = ("ddp", "auto", "overlap", "one node")
@@ -50,23 +48,13 @@ class ReadsOutside(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _strategy(layout: str) -> object:
-    if layout == "ddp":
-        return DDPStrategy(process_group_backend="gloo")
-    if layout == "one node":
-        return ShardedPowerSGDStrategy(devices_per_node=WORLD, timeout=120)
-    # full rank: every matrix here has a side of at most 2 * WIDTH
-    return ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=2 * WIDTH, min_compression=0.0, timeout=120,
-                                   overlap=True if layout == "overlap" else "auto")
-
-
 def _runs(rank: int, world_size: int) -> dict:
     external_launch_env(rank)
     out = {}
     for layout in LAYOUTS:
         torch.manual_seed(0)
         module = ReadsOutside()
-        trainer(_strategy(layout), devices=WORLD, max_epochs=EPOCHS,
+        trainer(layout_strategy(layout, WORLD), devices=WORLD, max_epochs=EPOCHS,
                 limit_train_batches=BATCHES).fit(module, loader(token_dataset(), rank, world_size=WORLD))
         out[layout] = {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
     return out

@@ -108,3 +108,19 @@ def reference_sgd(steps: int, lr: float, world_size: int, batch_size: int = 2) -
         loss_fn(model, tokens[idx], targets[idx]).backward()
         opt.step()
     return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+
+
+def layout_strategy(layout: str, world: int = 4) -> Any:
+    """``ddp`` (gloo), the strategy at one node of ``world`` ("one node"), or at 2 devices per node with PowerSGD at
+    full rank for this file's models (every matrix has a side of at most ``2 * WIDTH``), the overlapped exchange
+    forced ("overlap") or chosen ("auto")."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
+
+    if layout == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    if layout == "one node":
+        return ShardedPowerSGDStrategy(devices_per_node=world, timeout=120)
+    return ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=2 * WIDTH, min_compression=0.0, timeout=120,
+                                   overlap=True if layout == "overlap" else "auto")

@@ -27,15 +27,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BackboneFinetuning
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from dalle_lightning_plugins.compression.exchange import OverlappedExchange
 from dalle_lightning_plugins.strategies import stand_ins
-from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
-from tests.test_strategy_common import (VOCAB, WIDTH, Branch, external_launch_env, loader, loss_fn, token_dataset,
-                                        trainer)
+from tests.test_strategy_common import (VOCAB, WIDTH, Branch, external_launch_env, layout_strategy, loader, loss_fn,
+                                        token_dataset, trainer)
 
 WORLD, BATCHES, EPOCHS, UNFREEZE_STEP = 4, 3, 2, 2
 RUNS = {  # name -> (layout, how the backbone is unfrozen)
@@ -90,16 +88,6 @@ class AverageUnfrozen(L.Callback):
                 p.grad /= dist.get_world_size()
 
 
-def _strategy(layout: str) -> object:
-    if layout == "ddp":
-        return DDPStrategy(process_group_backend="gloo")
-    if layout == "one node":
-        return ShardedPowerSGDStrategy(devices_per_node=WORLD, timeout=120)
-    # full rank: every matrix here has a side of at most 2 * WIDTH
-    return ShardedPowerSGDStrategy(devices_per_node=2, powersgd_rank=2 * WIDTH, min_compression=0.0, timeout=120,
-                                   overlap=True if layout == "overlap" else "auto")
-
-
 def _fit(rank: int, layout: str, how: str) -> dict:
     torch.manual_seed(0)
     module = Finetuned(hand=how == "hand")
@@ -107,7 +95,7 @@ def _fit(rank: int, layout: str, how: str) -> dict:
     callbacks: list[L.Callback] = [AverageUnfrozen()] if layout == "ddp" else []
     if how == "callback":
         callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, initial_denom_lr=1.0))
-    trainer(_strategy(layout), devices=WORLD, max_epochs=EPOCHS, limit_train_batches=BATCHES,
+    trainer(layout_strategy(layout, WORLD), devices=WORLD, max_epochs=EPOCHS, limit_train_batches=BATCHES,
             callbacks=callbacks).fit(module, loader(token_dataset(), rank, world_size=WORLD))
     after = dict(module.named_parameters())
     return {"weights": {n: p.detach().float().cpu().clone() for n, p in after.items()},
