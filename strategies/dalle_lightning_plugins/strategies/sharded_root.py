@@ -143,18 +143,27 @@ def mark_ran(ran: dict[str, int], name: str, *_: Any) -> None:
     ran[name] = ran.get(name, 0) + 1
 
 
+# Backwards of a stage whose unit counts are checked across the node: the first few (a layer dropped per rank shows
+# at once), then one in every VERIFY_EVERY. In between each rank reads its own counts: no collective, no host sync.
+VERIFY_FIRST, VERIFY_EVERY = 4, 100
+
+
 def check_units_ran(root: ShardedRoot, block_names: Sequence[str], group: dist.ProcessGroup,
-                    device: torch.device) -> tuple[list[str], list[str]]:
-    """Collective over the node: every FSDP unit must have run forward on every rank before a backward.
+                    device: torch.device, verify: bool = True) -> tuple[list[str], list[str]]:
+    """Every FSDP unit must have run forward on every rank of a node before a backward.
 
     A block only some ranks run (layer drop decided per rank) leaves FSDP2's gathers and reduce-scatters
-    unmatched between the ranks of a node, which hangs or mixes up buffers. One small all-reduce turns that
-    into an error on every rank before the backward's collectives start. Returns the units no rank ran, and
-    those some rank ran more than once (FSDP2 then reduce-scatters them once per forward, so their gradients
-    are final only at the end of the backward).
+    unmatched between the ranks of a node, which hangs or mixes up buffers. With ``verify``, one small all-reduce
+    turns that into an error on every rank before the backward's collectives start; without, this rank's own
+    counts answer (the same on every rank when every rank runs the same units, which the verified backwards
+    establish). Returns the units no rank ran, and those some rank ran more than once (FSDP2 then
+    reduce-scatters them once per forward, so their gradients are final only at the end of the backward).
     """
-    counts = torch.tensor([root.units_ran.get(n, 0) for n in block_names], dtype=torch.float32, device=device)
+    local = [root.units_ran.get(n, 0) for n in block_names]
     root.units_ran.clear()
+    if not verify:
+        return [n for n, k in zip(block_names, local) if not k], [n for n, k in zip(block_names, local) if k > 1]
+    counts = torch.tensor(local, dtype=torch.float32, device=device)
     ran = counts.clamp(max=1)
     both = torch.stack([ran, -ran, counts])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

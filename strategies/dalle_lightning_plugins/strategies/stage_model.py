@@ -23,7 +23,8 @@ from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.protocol import RESBLOCKS_METHOD, blocks_tied_outside, find_resblocks
 from dalle_lightning_plugins.strategies.broadcasts import broadcast_replicas
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
-from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot, check_units_ran, hook_lightning_module, reshard_all
+from dalle_lightning_plugins.strategies.sharded_root import (VERIFY_EVERY, VERIFY_FIRST, ShardedRoot, check_units_ran,
+                                                              hook_lightning_module, reshard_all)
 from dalle_lightning_plugins.strategies.mixed_lists import MixedLists
 from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
@@ -59,11 +60,13 @@ class ShardedModel:
         self.block_names: list[str] = []
         self.checkpointing: ActivationCheckpointing | None = None  # the stage's blocks' wrappers (setup, teardown)
         self.averages_sharded = False  # this fit shards a WeightAveraging callback's copy
+        self.backwards = 0  # this stage's backwards (check_units_ran verifies the first few across the node)
 
     def begin(self, module: nn.Module) -> None:
         """A new stage on ``module``: fresh activation checkpointing; the last stage's root only if it is this
         module's."""
         self.checkpointing = ActivationCheckpointing()
+        self.backwards = 0
         if self.root is not None and self.root.owner is not module:
             self.root = None
 
@@ -148,7 +151,9 @@ class ShardedModel:
         (those of units no rank ran, where they had none)."""
         root = self.root
         assert root is not None
-        idle, repeated = check_units_ran(root, self.block_names, shard_group, root_device)
+        self.backwards += 1  # the same count on every rank of the node: the verified backwards are the same ones
+        verify = self.backwards <= VERIFY_FIRST or self.backwards % VERIFY_EVERY == 0
+        idle, repeated = check_units_ran(root, self.block_names, shard_group, root_device, verify)
         # A unit no rank ran since the last backward takes no part in this one; FSDP2 would still hand its
         # parameters zero gradients (``reduce_scatter_unused_params``), and momentum or weight decay would then
         # move them. As under ddp, their gradients stay as they were (None after ``zero_grad``).
