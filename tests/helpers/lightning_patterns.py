@@ -248,7 +248,7 @@ class PenaltyList(ListBody):
         self.regularised = [self.body[1][2].weight, self.head.weight]
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return super().training_step(batch, batch_idx) + 1e-2 * sum(p.abs().sum() for p in self.regularised)
+        return super().training_step(batch, batch_idx) + 0.1 * sum(p.abs().sum() for p in self.regularised)
 
 
 class TiedFunctional(ListBody):

@@ -59,7 +59,7 @@ class ShardReads(TorchFunctionMode):
     """Whole parameters for torch calls that receive a sharded one (see the module). ``stand_in_of`` maps the id of
     a user's released tensor to a function returning the stand-in's tensor that holds its values now."""
 
-    def __init__(self, stand_in_of: dict[int, Callable[[], torch.Tensor]]) -> None:
+    def __init__(self, stand_in_of: dict[int, Callable[[], torch.Tensor]] | None) -> None:
         super().__init__()
         self.stand_in_of = stand_in_of
         self.paused = 0  # an optimizer step or a backward inside the step (manual optimization) reads the shards
@@ -67,7 +67,7 @@ class ShardReads(TorchFunctionMode):
 
     def _whole(self, value: Any) -> Any:
         if type(value) is nn.Parameter or type(value) is torch.Tensor:
-            find = self.stand_in_of.get(id(value))
+            find = self.stand_in_of.get(id(value)) if self.stand_in_of else None
             if find is None:
                 return value
             value = find()

@@ -57,10 +57,12 @@ class ShardedRoot(nn.Module):
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.originals is None or not isinstance(self, FSDPModule):
+        if not isinstance(self, FSDPModule):  # one device per node: whole parameters, read as they are
             return self.owner(*args, **kwargs)
         if self.reads is None:
-            object.__setattr__(self, "reads", ShardReads(self.stand_in_reads()))
+            object.__setattr__(self, "reads", ShardReads(None))
+        if self.reads.stand_in_of is None:  # the stage's first forward: the tensors it released
+            self.reads.stand_in_of = self.stand_in_reads()
         with self.reads.reading():  # a sharded parameter read outside its unit's forward is read whole (shard_reads)
             return self.owner(*args, **kwargs)
 
@@ -122,12 +124,13 @@ def hook_lightning_module(root: ShardedRoot) -> None:
     """The LightningModule's own forward (``self(x)`` in a step) gathers the root unit too, and its and the
     callbacks' gradient hooks refuse a computation on a shard, for this stage: :meth:`ShardedRoot.remove_owner_hooks`
     takes them off at teardown."""
-    object.__setattr__(root, "reads", None)  # built again at the stage's first forward, from its released tensors
+    if root.reads is not None:  # one mode per root (a compiled region's guards hold it): its map, at the first forward
+        root.reads.stand_in_of = None
     if root.owner_hooks:
         return
     if getattr(root, "probe", None) is not None:
         root.owner_hooks.append(root.owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root)))
-    if isinstance(root, FSDPModule) and root.originals is not None:  # hooks reading gradients: shards (shard_reads)
+    if isinstance(root, FSDPModule):  # hooks reading gradients meet shards (shard_reads)
         root.owner_hooks.extend(guard_gradient_hooks(root.owner, "ShardedPowerSGDStrategy"))
 
 
