@@ -82,6 +82,8 @@ class ShardReads(TorchFunctionMode):
         if self.paused or torch.compiler.is_compiling():  # dynamo traces an active mode: inside a compiled region
             # (a unit's own forward, whose parameters are whole there) it adds nothing to the graph, which is ddp's
             return func(*args, **kwargs)
+        if not any(map(self._to_read, args)) and not any(map(self._to_read, kwargs.values())):
+            return func(*args, **kwargs)  # the common case: one type check (and a lookup) per argument
         name = getattr(func, "__name__", "")
         if name in METADATA or name.startswith("__") or name.endswith("_"):
             # no values read (``p.grad``, ``p.shape``, ``hash(p)``), or written in place on the shard (``p.clamp_``)
@@ -89,6 +91,29 @@ class ShardReads(TorchFunctionMode):
         args = tuple(self._whole_or_list(a) for a in args)
         kwargs = {k: self._whole_or_list(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+    def _to_read(self, value: Any) -> bool:
+        kind = type(value)
+        if kind is DTensor:
+            return getattr(value, "_is_param", False)
+        if kind is nn.Parameter or kind is torch.Tensor:
+            return bool(self.stand_in_of) and id(value) in self.stand_in_of
+        if kind is list or kind is tuple:
+            return any(map(self._to_read, value))
+        return False
+
+    def unit_hooks(self, units: list[nn.Module]) -> None:
+        """No whole reads inside a unit's own ``forward`` (its parameters are whole there): the mode costs a step
+        only the calls outside the units. ``units``: the FSDP2 units with no unit inside."""
+        for unit in units:
+            unit.register_forward_pre_hook(self._enter_unit)
+            unit.register_forward_hook(self._leave_unit, always_call=True)
+
+    def _enter_unit(self, *_: Any) -> None:
+        self.paused += 1
+
+    def _leave_unit(self, *_: Any) -> None:
+        self.paused = max(0, self.paused - 1)
 
     @contextmanager
     def reading(self) -> Generator[None, None, None]:

@@ -61,6 +61,8 @@ class ShardedRoot(nn.Module):
             return self.owner(*args, **kwargs)
         if self.reads is None:
             object.__setattr__(self, "reads", ShardReads(None))
+            units = [m for m in self.modules() if isinstance(m, FSDPModule) and m is not self]
+            self.reads.unit_hooks([u for u in units if not any(m is not u and m in units for m in u.modules())])
         if self.reads.stand_in_of is None:  # the stage's first forward: the tensors it released
             self.reads.stand_in_of = self.stand_in_reads()
         with self.reads.reading():  # a sharded parameter read outside its unit's forward is read whole (shard_reads)
