@@ -76,7 +76,7 @@ def _stage(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module], dict[str
         stand_ins.assign(tensor, torch.empty_like(tensor, device="cpu"))
     stand_ins.fill_shards(root, originals)
     object.__setattr__(root, "originals", originals)
-    return root, originals, stand_ins.release(originals, keep=False)
+    return root, originals, stand_ins.release(originals)
 
 
 def test_after_an_error_each_rank_puts_back_what_it_holds_without_a_collective() -> None:

@@ -172,7 +172,7 @@ def test_a_stand_in_unfrozen_in_the_stage_gives_the_users_parameter_back_unfroze
     for tensor in {id(t): t for t in root.parameters()}.values():
         stand_ins.assign(tensor, torch.zeros_like(tensor, device="cpu"))
     object.__setattr__(root, "originals", originals)
-    released = stand_ins.release(originals, keep=False)
+    released = stand_ins.release(originals)
     root.backbone.requires_grad_(True)  # BackboneFinetuning during the stage: on the stand-ins
     root.head.requires_grad_(False)
     stand_ins.put_back(module, originals)

@@ -95,7 +95,7 @@ def materialize_stand_ins(root: ShardedRoot, device: torch.device) -> None:
     else:
         root.to_empty(device=device)
     stand_ins.fill_shards(root, originals)
-    root.released.update(stand_ins.release(originals, stand_ins.keeps_storage(originals, device)))
+    root.released.update(stand_ins.release(originals))
     root.guards.extend(stand_ins.guard_originals(originals))
 
 

@@ -10,8 +10,8 @@ empty tensor of the same dtype and device: the parameter object and its ``requir
 stage each is given back whole, one tensor at a time (:func:`give_back`, a collective); after an error, when a peer
 may be gone, each rank puts its children back alone (:func:`restore_locally`).
 
-Storage is kept where it costs the stage's device nothing: a model built on the CPU for a stage on a GPU keeps its
-tensors (host memory it already held); after an error those are the weights from before the stage.
+Every user tensor gives its storage back, on the CPU too: a model built on the CPU for a stage on GPUs would
+otherwise keep a whole host copy per rank for the fit (8 copies on a node of 8), where ``ddp`` moves it.
 
 What would meet a released tensor is refused in one line: a child held in a plain attribute of the module
 (``self.taps = [self.enc[0]]``, at setup, before anything is sharded), a forward through a user's child during the
@@ -197,22 +197,15 @@ def fill_shards(root: nn.Module, originals: dict[str, nn.Module]) -> None:
             value.copy_(source)
 
 
-def keeps_storage(originals: dict[str, nn.Module], device: torch.device) -> bool:
-    """Whether the user's tensors keep their storage through the stage: where they cost the stage's device nothing
-    (built on another device than the stage's, e.g. on the CPU for a GPU stage)."""
-    tensors = [t for child in originals.values() for _, t in _named_tensors(child) if not t.is_meta]
-    return bool(tensors) and all(t.device.type != device.type for t in tensors)
-
-
 @torch.no_grad()
-def release(originals: dict[str, nn.Module], keep: bool) -> dict[str, Released]:
+def release(originals: dict[str, nn.Module]) -> dict[str, Released]:
     """Each user tensor's storage back (an empty tensor of its dtype on its device; the object and its
-    ``requires_grad`` stay), unless ``keep``; meta ones stay meta. Returns what giving them back needs, by name."""
+    ``requires_grad`` stay); meta ones stay meta. Returns what giving them back needs, by name."""
     released: dict[str, Released] = {}
     seen: set[int] = set()  # a tensor tied between children: under its first name, as the stand-ins' root names it
     for child_name, child in originals.items():
         for sub, tensor in _named_tensors(child):
-            if id(tensor) in seen or keep and not tensor.is_meta:
+            if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             channels_last = tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(
@@ -303,7 +296,7 @@ def give_back(root: nn.Module, released: dict[str, Released], device: torch.devi
 def restore_locally(root: nn.Module, released: dict[str, Released], device: torch.device) -> bool:
     """No collective (after an error a peer may be gone): each released user tensor comes back whole, on ``device``,
     holding this rank's trained shard in its slice and NaN elsewhere (a tensor FSDP2 left whole, a buffer: the
-    trained value); kept tensors hold the values from before the stage. Returns whether any was released."""
+    trained value). Returns whether any was released."""
     any_released = bool(released)
     for name, value in _named_tensors(root):
         _user_tensor(root.originals, name, isinstance(value, nn.Parameter)).requires_grad_(value.requires_grad)
