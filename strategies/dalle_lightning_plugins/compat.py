@@ -364,3 +364,11 @@ def tensor_hook_count(tensor: Any) -> int:
     sharded stage refuses a child's parameter that has any: its stand-in would train without them."""
     hooks = [getattr(tensor, "_backward_hooks", None), getattr(tensor, "_post_accumulate_grad_hooks", None)]
     return sum(len(h) for h in hooks if h)
+
+
+def top_function_mode() -> Any:
+    """The innermost torch function mode active now (None without one)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    stack = _get_current_function_mode_stack()
+    return stack[-1] if stack else None

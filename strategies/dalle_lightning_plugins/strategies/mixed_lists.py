@@ -3,7 +3,7 @@
 A parameter the LightningModule registers itself (not in a child) stays a plain tensor on every rank, beside the
 children's DTensor shards. ``torch.nn.utils.clip_grad_norm_`` (Lightning's ``gradient_clip_val``) hands all
 gradients to one ``torch._foreach_norm``, which DTensor refuses ("got mixed torch.Tensor and DTensor"). During the
-optimizer step (:class:`MixedLists`, around Lightning's step, after the closure) a ``foreach`` call given both kinds
+optimizer step (:class:`MixedLists`, around Lightning's step, after the closure: no compiled region runs there) a ``foreach`` call given both kinds
 sees each plain tensor as a replicated DTensor on the shards' mesh: a view of the same storage, so a write in place
 (``_foreach_mul_`` by the clip coefficient) writes the user's tensor, and the total norm counts every parameter
 once, as ``ddp``'s does. Calls with one kind are left alone.

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dalle_lightning_plugins import compat
+from dalle_lightning_plugins.strategies.mixed_lists import MixedLists
 from dalle_lightning_plugins.protocol import UnscalingPrecision
 
 if TYPE_CHECKING:
@@ -84,6 +85,13 @@ class AveragedStep:
         if module is None or module.automatic_optimization:
             self.reduced = None  # the closure runs this update's backward (none: training_step returned None)
         result = closure()
+        with MixedLists():  # the update's foreach calls: plain parameters beside shards (mixed_lists)
+            return self._update(optimizer, result, model, precision=precision, module=module, base_step=base_step,
+                                reduce=reduce, **kwargs)
+
+    def _update(self, optimizer: Optimizer, result: Any, model: pl.LightningModule | nn.Module | None, *,
+                precision: Any, module: pl.LightningModule | None, base_step: Callable[..., Any],
+                reduce: Callable[[], bool], **kwargs: Any) -> Any:
         if isinstance(precision, MixedPrecision) and precision.scaler is not None:
             return self._scaled_step(precision, optimizer, result, model or module, reduce, **kwargs)
         if isinstance(precision, UnscalingPrecision):

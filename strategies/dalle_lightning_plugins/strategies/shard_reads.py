@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.overrides import TorchFunctionMode
 
+from dalle_lightning_plugins import compat
+
 
 class GatherForRead(torch.autograd.Function):
     """A sharded parameter whole on every rank of the node; backward: the node's average of the whole gradient,
@@ -52,7 +54,7 @@ METADATA = frozenset({"size", "dim", "ndimension", "stride", "numel", "nelement"
 
 def is_sharded_parameter(value: Any) -> bool:
     """FSDP2's sharded parameters are DTensors marked as parameters (gradients and activations are not)."""
-    return type(value) is DTensor and getattr(value, "_is_param", False)
+    return type(value) is DTensor and isinstance(value, nn.Parameter)
 
 
 class ShardReads(TorchFunctionMode):
@@ -64,6 +66,8 @@ class ShardReads(TorchFunctionMode):
         self.stand_in_of = stand_in_of
         self.paused = 0  # an optimizer step or a backward inside the step (manual optimization) reads the shards
         self.read: set[int] = set()  # sharded parameters read whole with autograd on since the last backward
+        self.entered = 0  # how deep in reading() or pause(): pushed on the mode stack at the outermost only
+        self.popped: list[bool] = []  # per unit entered: whether the mode left the stack there
 
     def _whole(self, value: Any) -> Any:
         if type(value) is nn.Parameter or type(value) is torch.Tensor:
@@ -79,7 +83,7 @@ class ShardReads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.paused or torch.compiler.is_compiling():  # dynamo traces an active mode: inside a compiled region
+        if torch.compiler.is_compiling() or self.paused:  # dynamo traces an active mode: first, so no guard on paused
             # (a unit's own forward, whose parameters are whole there) it adds nothing to the graph, which is ddp's
             return func(*args, **kwargs)
         if not any(map(self._to_read, args)) and not any(map(self._to_read, kwargs.values())):
@@ -95,7 +99,7 @@ class ShardReads(TorchFunctionMode):
     def _to_read(self, value: Any) -> bool:
         kind = type(value)
         if kind is DTensor:
-            return getattr(value, "_is_param", False)
+            return isinstance(value, nn.Parameter)
         if kind is nn.Parameter or kind is torch.Tensor:
             return bool(self.stand_in_of) and id(value) in self.stand_in_of
         if kind is list or kind is tuple:
@@ -110,27 +114,51 @@ class ShardReads(TorchFunctionMode):
             unit.register_forward_hook(self._leave_unit, always_call=True)
 
     def _enter_unit(self, *_: Any) -> None:
+        # Off the mode stack inside a unit, so a compiled region there meets the stack it meets without the
+        # strategy (dynamo guards on it; a checkpointed recomputation in the backward meets the same).
+        popped = compat.top_function_mode() is self
+        if popped:
+            self.__exit__(None, None, None)
+        self.popped.append(popped)
         self.paused += 1
 
     def _leave_unit(self, *_: Any) -> None:
         self.paused = max(0, self.paused - 1)
+        if self.popped and self.popped.pop():
+            self.__enter__()
+
+    @contextmanager
+    def _on_stack(self) -> Generator[None, None, None]:
+        """On the torch function mode stack once, however nested: dynamo guards on the stack's types."""
+        if self.entered:
+            yield
+            return
+        self.entered += 1
+        try:
+            with self:
+                yield
+        finally:
+            self.entered -= 1
 
     @contextmanager
     def reading(self) -> Generator[None, None, None]:
         """Whole reads for a step, even one an optimizer step runs (its closure, under automatic optimization)."""
         paused, self.paused = self.paused, 0
         try:
-            with self:
+            with self._on_stack():
                 yield
         finally:
             self.paused = paused
 
     @contextmanager
     def pause(self) -> Generator[None, None, None]:
-        """The shards themselves for a while: an optimizer's step, or a backward, run inside ``training_step``."""
+        """The shards themselves for a while: an optimizer's step, or a backward, run inside ``training_step``. The
+        mode stays on the stack (paused), so a checkpointed region recomputed in the backward meets the modes its
+        forward met, and compiles nothing more."""
         self.paused += 1
         try:
-            yield
+            with self._on_stack():
+                yield
         finally:
             self.paused -= 1
 
@@ -151,10 +179,11 @@ HOST_READS = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__bo
 
 class GradientReads(TorchFunctionMode):
     """One line, naming the parameter, where a hook leaves DTensor's semantics with a value computed from a shard:
-    a host read of a value that is not whole (``float(p.grad.norm())`` would be this rank's part, silently), a
-    plain tensor made from DTensors (Lightning's ``grad_norm``), or a shard mixed with a plain tensor. DTensor's
-    own arithmetic (``.clone()``, ``.norm()``, ``.full_tensor()``, writes in place) passes, as do a user's own
-    DTensors (only the stage's parameters and gradients, and values computed from them, are followed)."""
+    a host read of a value that is not whole (``float(p.grad.norm())`` would be this rank's part, silently), or a
+    plain tensor made from DTensors (Lightning's ``grad_norm``). DTensor's own arithmetic (``.clone()``,
+    ``.norm()``, ``.full_tensor()``, writes in place), ``self.log(..., sync_dist=True)`` and the strategy's
+    collectives on such values (``dtensor_collectives``) pass, as do a user's own DTensors (only the stage's
+    parameters and gradients, and values computed from them, are followed)."""
 
     def __init__(self, owner: str, hook: str, module: nn.Module) -> None:
         super().__init__()
@@ -183,8 +212,7 @@ class GradientReads(TorchFunctionMode):
         if source is not None:
             whole = all(isinstance(i, DTensor) and all(pl.is_replicate() for pl in i.placements)
                         for i in flat if isinstance(i, DTensor))
-            mixed = any(type(i) is torch.Tensor or type(i) is nn.Parameter for i in flat)
-            if (name in HOST_READS and not whole) or (mixed and name not in METADATA and not name.startswith("__")):
+            if name in HOST_READS and not whole:
                 raise RuntimeError(self.line(source))
         result = func(*args, **kwargs)
         if source is not None and isinstance(result, DTensor) and name != "__get__":  # ``p.grad``: found by storage
@@ -226,8 +254,10 @@ def guard_gradient_hooks(module: Any, owner: str) -> list[GuardedHook]:
     """Guard the gradient hooks the LightningModule and the Trainer's callbacks override, for a sharded stage."""
     from lightning.pytorch import Callback, LightningModule
 
-    trainer = getattr(module, "_trainer", None)
-    callbacks = list(trainer.callbacks) if trainer is not None else []
+    try:
+        callbacks = list(module.trainer.callbacks)
+    except RuntimeError:  # not attached to a Trainer: the module's own hooks only
+        callbacks = []
     guarded = []
     for obj, base in ((module, LightningModule), *((c, Callback) for c in callbacks)):
         for hook in GRADIENT_HOOKS:

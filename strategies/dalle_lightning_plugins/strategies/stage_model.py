@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.protocol import RESBLOCKS_METHOD, blocks_tied_outside, find_resblocks
@@ -25,7 +25,6 @@ from dalle_lightning_plugins.strategies.broadcasts import broadcast_replicas
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
 from dalle_lightning_plugins.strategies.sharded_root import (VERIFY_EVERY, VERIFY_FIRST, ShardedRoot, check_units_ran,
                                                               hook_lightning_module, reshard_all)
-from dalle_lightning_plugins.strategies.mixed_lists import MixedLists
 from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
 
@@ -171,11 +170,8 @@ class ShardedModel:
     @contextmanager
     def shards_read(self) -> Generator[None, None, None]:
         """For a backward or an optimizer step: the shards themselves, not whole reads, where a ``training_step``
-        runs them (manual optimization; :mod:`~dalle_lightning_plugins.strategies.shard_reads`), and ``foreach``
-        calls that take the LightningModule's own plain parameters with the shards (:mod:`~.mixed_lists`)."""
-        root = self.root
-        with (root.shards_read() if isinstance(root, ShardedRoot) else nullcontext()), \
-                (MixedLists() if isinstance(root, FSDPModule) else nullcontext()):
+        runs them (manual optimization; :mod:`~dalle_lightning_plugins.strategies.shard_reads`)."""
+        with self.root.shards_read() if isinstance(self.root, ShardedRoot) else nullcontext():
             yield None
 
     def pickled(self) -> ShardedModel:
