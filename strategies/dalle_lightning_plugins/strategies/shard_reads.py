@@ -99,7 +99,7 @@ class ShardReads(TorchFunctionMode):
     def _to_read(self, value: Any) -> bool:
         kind = type(value)
         if kind is DTensor:
-            return isinstance(value, nn.Parameter)
+            return is_sharded_parameter(value)
         if kind is nn.Parameter or kind is torch.Tensor:
             return bool(self.stand_in_of) and id(value) in self.stand_in_of
         if kind is list or kind is tuple:
