@@ -1,5 +1,5 @@
 """A handed file costs bounded memory and time (issue 75): small crafted files that cost without bound before are
-refused in one line naming the file, exit code 2, at the command a user types, in well under a second and without
+refused in one line naming the file, exit code 2, at the command a user types, in seconds and without
 the memory their crafting asked for:
 
 - a pickle-memo DAG (``x = [x, x]``, one list shared at every level) in an old model file's ``meta`` or a
@@ -30,6 +30,10 @@ from tests.conftest import TINY_DVAE_CONFIG, run_app
 from tests.test_files_are_data import work  # noqa: F401 - the pipeline the commands run on
 
 MiB = 2**20
+# A bound on the whole command (Hydra and all), which on a loaded CI machine took up to 2.1 s: far under what the
+# unbounded costs take (the walk of dag(24) about 2**10 times the 6.9 s measured at depth 14). The refusal's wording
+# says the budget stopped the walk, and the peak memory that the compressed record was never inflated.
+COMMAND_SECONDS = 15
 
 
 def dag(depth: int) -> list:
@@ -110,7 +114,7 @@ def test_a_shared_list_in_an_old_model_files_meta_costs_its_size(work: Path, tmp
     with peak_growth() as cost:
         line = refused(capsys, "encode", *encode_args(work, tmp_path, crafted))
     assert line.startswith(f"error: {str(crafted)!r}: meta.note[0]") and "expands to more than" in line, line
-    assert cost["seconds"] < 2, cost
+    assert cost["seconds"] < COMMAND_SECONDS, cost
 
 
 def test_a_shared_list_in_a_checkpoints_hyper_parameters_costs_its_size(work: Path, tmp_path: Path,  # noqa: F811
@@ -122,7 +126,7 @@ def test_a_shared_list_in_a_checkpoints_hyper_parameters_costs_its_size(work: Pa
         line = refused(capsys, "train", f"paths.work_dir={work}", f"hydra.run.dir={tmp_path / 'run'}", "stage=dvae",
                        f"output={tmp_path / 'o.pt'}", f"resume={crafted}")
     assert str(crafted) in line and "hyper_parameters.note[0]" in line and "expands to more than" in line, line
-    assert cost["seconds"] < 2, cost
+    assert cost["seconds"] < COMMAND_SECONDS, cost
 
 
 def test_the_walk_keeps_the_checks_and_names_of_a_tree() -> None:
@@ -184,7 +188,7 @@ def test_a_compressed_record_in_an_old_model_file_is_refused_unread(work: Path, 
         line = refused(capsys, "encode", *encode_args(work, tmp_path, crafted))
     assert line.startswith(f"error: dalle-lightning model file {str(crafted)!r}: its record ") and \
         "is compressed" in line, line
-    assert cost["mib"] < 64 and cost["seconds"] < 2, cost
+    assert cost["mib"] < 64 and cost["seconds"] < COMMAND_SECONDS, cost
 
 
 def test_torch_save_stores_every_record_and_the_plugins_refuse_a_compressed_one(tmp_path: Path) -> None:
