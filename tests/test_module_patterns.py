@@ -8,7 +8,8 @@ parameter of the module itself, ``configure_model``, a model built under ``init_
 accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a sparse embedding (refused), modules
 that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code reading a unit's weight outside the
 unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made in ``__init__``, a head tied through
-``F.linear``, ``MultiheadAttention``'s ``out_proj``). Each is fitted on 2 gloo processes under ``ddp`` (the
+``F.linear``, ``MultiheadAttention``'s ``out_proj``), and hooks reading weights or gradients (refused in one line on a host read of a
+shard, ``ddp``'s values through ``.full_tensor()``). Each is fitted on 2 gloo processes under ``ddp`` (the
 reference) and under the strategy, in one launch (start-up is the expensive part), from the same seed and data,
 with validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
 device), the parameter objects themselves (the user's own, by identity, under their names), and
@@ -41,11 +42,17 @@ CASES = [*PATTERNS, "init_module_empty"]
 # registers itself that is also a child's (it would stay whole beside the child's shards), and a child reached
 # through a plain list attribute (the user's own child, whose storage the stage holds as shards).
 # LBFGS re-evaluates its closure and reads whole gradients, and FSDP2 cannot shard a sparse gradient: refused at setup.
-# A gradient hook computing with a shard (Lightning's grad_norm) is refused in one line naming the gradient.
+# A hook computing on the host with a shard (Lightning's grad_norm in on_before_optimizer_step, a weight's norm in
+# on_train_batch_end) is refused in one line naming the gradient or weight; through .full_tensor() it sees ddp's.
 EXPECTED: dict[str, str] = {"tied_attribute": "refused", "taps_list": "refused", "line_search": "refused",
-                            "sparse_embedding": "refused", "grad_norm_logged": "refused"}
+                            "sparse_embedding": "refused", "grad_norm_logged": "refused",
+                            "weight_norm_logged": "refused"}
 # What a refusal names, where the test pins it.
-REFUSED_SAYS = {"grad_norm_logged": "on_before_optimizer_step computes with inp.weight.grad, which holds this rank's shard"}
+REFUSED_SAYS = {"grad_norm_logged": "on_before_optimizer_step computes with inp.weight.grad, which holds this rank's shard",
+                "weight_norm_logged": "on_train_batch_end computes with body.0.0.weight, which holds this rank's shard"}
+
+# Refused at a hook after the first update (on_train_batch_end): the weights moved, and come back whole.
+REFUSED_AFTER_UPDATE = ("weight_norm_logged",)
 
 
 # Trained with no block declared: the strategy's default units (the nn.ModuleList's entries; else the whole module).
@@ -135,7 +142,10 @@ def test_pattern_trains_as_ddp_or_is_refused_in_one_line(results: list[dict[str,
             assert "\n" not in outcome, outcome
             assert REFUSED_SAYS.get(case, "") in outcome, outcome
             assert outcome == results[0][(case, "dpn2")]["outcome"]
-            if ours["before"] is not None:
+            if case in REFUSED_AFTER_UPDATE:  # whole again, the same on every rank (the roll call's gather)
+                _assert_same(ours["after"]["values"], results[0][(case, "dpn2")]["after"]["values"], atol=0)
+                assert all(v.isfinite().all() for v in ours["after"]["values"].values()), rank
+            elif ours["before"] is not None:
                 _assert_same(ours["after"]["values"], ours["before"]["values"], atol=0)
             continue
         # the user's own parameter objects under their own names, and ddp's values, dtypes and devices
@@ -146,7 +156,7 @@ def test_pattern_trains_as_ddp_or_is_refused_in_one_line(results: list[dict[str,
             moved = [n for n, v in ddp["after"]["values"].items() if not torch.equal(v, ddp["before"]["values"][n])]
             assert moved, "the reference trained nothing"
         assert ours["model_is_module"] and ddp["model_is_module"]
-        if ddp["seen"] is not None:  # gradients read whole in a hook: ddp's
+        if ddp["seen"] is not None:  # gradients or weights read whole in a hook: ddp's
             torch.testing.assert_close(torch.tensor(ours["seen"]), torch.tensor(ddp["seen"]), atol=2e-6, rtol=0)
         if case == "compiled_child":  # each child's graphs compiled during the fit, in ours as in ddp's, unsaid
             assert all(ours["compiled"].values()) and all(ddp["compiled"].values()), (rank, ours, ddp)

@@ -295,6 +295,33 @@ class GradientsRead(Base):
         self.seen.append([float(g.norm()) for g in whole])
 
 
+class WeightNormLogged(Base):
+    """A weight monitor in ``on_train_batch_end``: ``float(self.body[0][0].weight.norm())``, as users log it under
+    ``ddp``."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.log("w_norm", float(self.body[0][0].weight.norm()))
+
+
+class WeightsReadWhole(Base):
+    """The same monitor in ``on_train_batch_end`` and a callback-style read in ``on_validation_epoch_end``, each
+    through ``.full_tensor()`` where the weight is a strategy's shard; keeps the norms (``seen``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[float]] = []
+
+    def _whole_norms(self) -> list[float]:
+        weights = [self.body[0][0].weight, self.body[1][2].weight, self.head.weight]
+        return [float((w.full_tensor() if hasattr(w, "full_tensor") else w).norm()) for w in weights]
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seen.append(self._whole_norms())
+
+    def on_validation_epoch_end(self) -> None:
+        self.seen.append(self._whole_norms())
+
+
 class _Blocks(nn.Sequential):
     """A user's own container of blocks, with its own ``forward`` (torch 2.9 compiles no frame of torch's own
     modules: ``nn.Sequential(...).compile()`` runs eagerly there, under any strategy)."""
@@ -359,6 +386,8 @@ PATTERNS: dict[str, type[Base]] = {
     "own_parameter_clipped": OwnParameter,
     "grad_norm_logged": GradNormLogged,
     "gradients_read": GradientsRead,
+    "weight_norm_logged": WeightNormLogged,
+    "weights_read_whole": WeightsReadWhole,
 }
 
 # Trainer arguments a pattern needs besides the defaults.

@@ -13,7 +13,7 @@ its own distributed strategies said for ``ModelParallelStrategy``: ``sync_dist``
 
 What is taken from ``ModelParallelStrategy``, as it does it: the launcher that reruns the script, the default
 process group from the cluster environment (with the run's timeout), world ranks, the device, Lightning's
-``barrier``/``broadcast``/``reduce``, restoring a checkpoint after setup (the strategy loads optimizer state
+``barrier``/``broadcast``/``reduce`` (taking sharded values and naming a lost peer), restoring a checkpoint after setup (the strategy loads optimizer state
 itself), meta-device init under ``init_module(empty_init=True)``, optimizers made afresh at each fit. Its own mesh,
 its FSDP1 check, its ``configure_model`` requirement and its checkpoint format are not: the strategies build their
 own ``("replicate", "shard")`` mesh and write their own checkpoints.
@@ -45,6 +45,8 @@ from typing_extensions import override
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.io.checkpoint_io import atomic_io
 from dalle_lightning_plugins.io.dcp_checkpoint import export_full_state_dict
+from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
+from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
 from dalle_lightning_plugins.strategies.optimizer_step import refuse_reevaluating_optimizers
 from dalle_lightning_plugins.strategies.precision_choice import check_precision_plugin
 
@@ -62,6 +64,8 @@ class ShardedParallelStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._stage_undo: list[Callable[[], None]] = []
         self.num_nodes = 1
+        self.collective_failures = CollectiveFailures(self._collective_failure)
+        self.dtensor_collectives = DTensorCollectives(type(self).__name__)
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy
 
@@ -205,29 +209,43 @@ class ShardedParallelStrategy(ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ Lightning's collectives, as ddp's
+    # On sharded values as ddp's on the full ones (DTensorCollectives); a lost peer in one line naming the
+    # collective (CollectiveFailures, worded by ``_collective_failure``).
+
+    def _collective_failure(self, error: BaseException, seconds: float) -> str:
+        """One line for a collective that failed with a lost peer; a subclass names the nodes it waited for."""
+        return f"{error} after {seconds:.1f} s: a peer is down"
 
     @override
     def barrier(self, name: str | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self.collective_failures.named("Lightning's barrier"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=dist.group.WORLD)
+        with self.collective_failures.named("Lightning's broadcast"):
+            box = [self.dtensor_collectives.to_send(obj)]
+            dist.broadcast_object_list(box, src, group=dist.group.WORLD)
         return box[0]
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        with self.collective_failures.named("Lightning's reduce (a checkpoint's decision or a logged metric)"):
+            tensor = self.dtensor_collectives.to_reduce(tensor)
+            if isinstance(tensor, torch.Tensor):
+                tensor = compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        return super().all_gather(self.dtensor_collectives.to_send(tensor), group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ the end of a stage
 

@@ -11,6 +11,11 @@ whole parameter instead: gathered over the node (:class:`GatherForRead`, differe
 over the node and added to the shard's, which is what ``ddp``'s average of the same term gives. A user's own
 parameter captured before the stage reads its stand-in.
 
+Outside those steps, in the LightningModule's and the callbacks' ``on_*`` hooks (``on_after_backward``,
+``on_train_batch_end``), a weight or gradient stays this rank's shard: a host read of a value computed from one
+(``float(self.fc.weight.norm())``, this rank's part under ``ddp``'s name) is refused in one line naming it and
+``.full_tensor()`` (:class:`HookReads`). A gather there would hang a hook only rank 0 runs.
+
 The mode looks only at a call's arguments (one level, and the lists of ``foreach`` calls): a step that reads no
 sharded parameter outside a unit costs a type check per argument. Each read is one all-gather over the node, so
 every rank of the node must make it, as every rank runs the same ``training_step``.
@@ -168,8 +173,10 @@ class ShardReads(TorchFunctionMode):
         return self._whole(value)
 
 
-# Hooks that read gradients: each rank holds its shard of every gradient there (a DTensor).
-GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+def lightning_hooks(base: type) -> list[str]:
+    """The ``on_*`` hooks ``base`` (``LightningModule`` or ``Callback``) defines: outside ``training_step`` and
+    ``validation_step`` each rank holds its shard of every parameter and gradient there (a DTensor)."""
+    return sorted(n for n in dir(base) if n.startswith("on_") and callable(getattr(base, n, None)))
 
 
 # Reads that leave DTensor's semantics: a value on the host, or a plain tensor made from DTensors.
@@ -177,7 +184,7 @@ HOST_READS = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__bo
                         "as_tensor"})
 
 
-class GradientReads(TorchFunctionMode):
+class HookReads(TorchFunctionMode):
     """One line, naming the parameter, where a hook leaves DTensor's semantics with a value computed from a shard:
     a host read of a value that is not whole (``float(p.grad.norm())`` would be this rank's part, silently), or a
     plain tensor made from DTensors (Lightning's ``grad_norm``). DTensor's own arithmetic (``.clone()``,
@@ -226,7 +233,7 @@ class GradientReads(TorchFunctionMode):
 
 
 class GuardedHook:
-    """A removable handle: ``obj.<hook>`` runs under :class:`GradientReads` until :meth:`remove` (the stage's end)."""
+    """A removable handle: ``obj.<hook>`` runs under :class:`HookReads` until :meth:`remove` (the stage's end)."""
 
     def __init__(self, obj: Any, hook: str, owner: str, module: nn.Module) -> None:
         self.obj, self.hook = obj, hook
@@ -235,7 +242,7 @@ class GuardedHook:
         label = hook if obj is module else f"{type(obj).__name__}.{hook}"
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            with GradientReads(owner, label, module):
+            with HookReads(owner, label, module):
                 return original(*args, **kwargs)
 
         obj.__dict__[hook] = guarded
@@ -250,8 +257,9 @@ class GuardedHook:
 _ABSENT = object()
 
 
-def guard_gradient_hooks(module: Any, owner: str) -> list[GuardedHook]:
-    """Guard the gradient hooks the LightningModule and the Trainer's callbacks override, for a sharded stage."""
+def guard_hooks(module: Any, owner: str) -> list[GuardedHook]:
+    """Guard the hooks the LightningModule and the Trainer's callbacks override, for a sharded stage: a weight or a
+    gradient read in ``on_train_batch_end`` or ``on_after_backward`` is a shard there."""
     from lightning.pytorch import Callback, LightningModule
 
     try:
@@ -260,7 +268,7 @@ def guard_gradient_hooks(module: Any, owner: str) -> list[GuardedHook]:
         callbacks = []
     guarded = []
     for obj, base in ((module, LightningModule), *((c, Callback) for c in callbacks)):
-        for hook in GRADIENT_HOOKS:
+        for hook in lightning_hooks(base):
             if getattr(type(obj), hook, None) is not getattr(base, hook, None):
                 guarded.append(GuardedHook(obj, hook, owner, module))
     return guarded

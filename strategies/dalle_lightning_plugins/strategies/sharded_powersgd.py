@@ -1,28 +1,18 @@
-"""A Lightning Strategy that shards parameters within a node (FSDP2) and averages between nodes with PowerSGD.
+"""A Lightning Strategy that shards parameters within a node (FSDP2) and averages between nodes with PowerSGD: the
+paper's recipe for a model that does not fit one GPU, on machines joined by slow links.
 
-This is the paper's recipe for training a model that does not fit one GPU on machines joined by slow links:
+Processes form a ``("replicate", "shard")`` mesh, nodes x devices per node. Each block is an FSDP2 unit on the
+``"shard"`` axis (the LightningModule's other parameters the root unit, the next blocks prefetched); FSDP2's
+reduce-scatter averages over the node, then each rank averages its shard of every gradient with its replicas on
+the other nodes through PowerSGD, during the backward where it can. A non-finite gradient anywhere skips the update
+on every rank. Checkpoints are one file as ``ddp`` writes it, or sharded DCP directories; after each stage the module
+holds whole plain tensors, as under ``ddp`` (``full_weights_after``). A LightningModule trains as under ``ddp``, or
+is refused in one line. This module is Lightning's hook order, calling the parts the strategy holds; docs/plugins.md
+says which module holds which part.
 
-* a 2-D mesh ``("replicate", "shard")`` = nodes x devices per node (:mod:`dalle_lightning_plugins.strategies.mesh`);
-* every resblock (or configured block) is one FSDP2 unit on the 1-D ``"shard"`` mesh, the LightningModule's
-  remaining parameters form the root unit; the next blocks are prefetched explicitly
-  (:mod:`dalle_lightning_plugins.strategies.sharding`, :mod:`dalle_lightning_plugins.strategies.prefetch`);
-* FSDP's reduce-scatter averages gradients over the node; then each rank averages its *local shard* of every
-  gradient with its replicas on the other nodes through PowerSGD (not FSDP's HSDP all-reduce, which cannot be
-  compressed), during the backward where it can (:mod:`dalle_lightning_plugins.compression.inter_node`). A
-  non-finite gradient anywhere skips the optimizer step on every rank; a precision plugin with
-  ``unscale_and_flag(optimizer)`` and ``mark_nonfinite()`` unscales before PowerSGD and owns the skip decision;
-* checkpoints are one file as ``ddp`` writes them (``checkpoint_format="full"``) or sharded DCP directories
-  (``"sharded"``), with each rank's PowerSGD state and buffers (:mod:`dalle_lightning_plugins.io.strategy_checkpoints`);
-* after ``fit``, ``validate``, ``test`` and ``predict`` the module holds whole plain tensors, as ``ddp`` leaves it
-  (``full_weights_after``, :mod:`dalle_lightning_plugins.strategies.whole_weights`), sharded again by the next stage;
-* a LightningModule trains as under ``ddp``, behaviour by behaviour, or the strategy says in one line what it cannot do.
-
-This module is Lightning's hook order (environment, setup, backward, optimizer step, teardown), calling the parts
-the strategy holds.
-
-Use it as ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, as ``strategy="sharded_powersgd"``
-(after ``import dalle_lightning_plugins``), or from Hydra with ``conf/strategy/sharded_powersgd.yaml``. Two
-nodes on one machine: ``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
+``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, ``strategy="sharded_powersgd"`` (after ``import
+dalle_lightning_plugins``), or Hydra's ``conf/strategy/sharded_powersgd.yaml``. Two nodes on one machine:
+``Trainer(accelerator="cpu", devices=4, strategy=ShardedPowerSGDStrategy(devices_per_node=2))``.
 """
 
 from __future__ import annotations
@@ -45,8 +35,6 @@ from typing_extensions import override
 
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.strategies import sharded_root, stand_ins
-from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
-from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
 from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep
 from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
 from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, check_precision  # noqa: F401 (kept names)
@@ -78,8 +66,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
     Composed of parts that own their state, each called from the Lightning hook that needs it: ``stage`` (the
     sharded root, its stand-ins and originals, the blocks), ``whole_weights`` (``full_weights_after`` and the end
     of a stage), ``inter_node`` (the exchange between nodes), ``averaged_step`` (the optimizer step around it),
-    ``collective_failures`` (a lost peer in one line), ``dtensor_collectives`` (Lightning's collectives on sharded
-    values), ``checkpoints`` (what goes to and comes from disk).
+    ``collective_failures`` and ``dtensor_collectives`` (Lightning's collectives, in the base), ``checkpoints`` (what goes to and comes from disk).
 
     Args:
         devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
@@ -180,8 +167,6 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         self.stage = ShardedModel()  # the sharded root, kept across fit -> validate: FSDP2 shards a module only once
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self.averaged_step = AveragedStep()
-        self.collective_failures = CollectiveFailures(self.inter_node.failure)
-        self.dtensor_collectives = DTensorCollectives(type(self).__name__)
         self.buffer_broadcasts = BufferBroadcasts(self._buffer_scope, self.until_teardown)  # rank 0's, as ddp's
 
     @property
@@ -205,17 +190,6 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
     @property
     def checkpoint_format(self) -> str:
         return self.checkpoints.format
-
-    def _leave_weights_whole(self) -> None:
-        """The module after a stage (:meth:`WholeWeights.leave`); the strategy's model is what it leaves."""
-        module = self.lightning_module
-        if module is None:
-            return
-        # no mesh: setup_environment failed (a bad devices_per_node), nothing was sharded; the module ends as ddp's
-        shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()
-        model = self.whole_weights.leave(module, self.stage, shard_size, self.root_device, self.num_processes)
-        if model is not None:
-            self.model = model
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -368,26 +342,8 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         self.inter_node.log_stats(self.lightning_module.trainer)
         return ok
 
-    # Lightning's own collectives: a lost peer in one line naming the collective (collective_failures)
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self.collective_failures.named("Lightning's barrier"):
-            super().barrier(*args, **kwargs)
-
-    # and on sharded values as ddp's on the full ones (dtensor_collectives)
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        with self.collective_failures.named("Lightning's reduce (a checkpoint's decision or a logged metric)"):
-            return super().reduce(self.dtensor_collectives.to_reduce(tensor), group=group, reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-        return super().all_gather(self.dtensor_collectives.to_send(tensor), group=group, sync_grads=sync_grads)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self.collective_failures.named("Lightning's broadcast"):
-            return super().broadcast(self.dtensor_collectives.to_send(obj), src=src)
+    def _collective_failure(self, error: BaseException, seconds: float) -> str:
+        return self.inter_node.failure(error, seconds)  # names the nodes the collective waited for
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -425,6 +381,17 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         state["_launcher"] = None
         state["stage"] = self.stage.pickled()  # without the stand-ins, whose classes pickle cannot name
         return state
+
+    def _leave_weights_whole(self) -> None:
+        """The module as ``ddp`` leaves it (:meth:`WholeWeights.leave`), and the strategy's model from then on."""
+        if self.lightning_module is None:
+            return
+        # no mesh: setup_environment failed (a bad devices_per_node), nothing was sharded
+        shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()
+        model = self.whole_weights.leave(self.lightning_module, self.stage, shard_size, self.root_device,
+                                         self.num_processes)
+        if model is not None:
+            self.model = model
 
     @override
     def teardown(self) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from dalle_lightning_plugins.strategies.shard_reads import ShardReads, guard_gradient_hooks
+from dalle_lightning_plugins.strategies.shard_reads import ShardReads, guard_hooks
 
 
 class ShardedRoot(nn.Module):
@@ -124,7 +124,7 @@ def gather_root_before_forward(root: ShardedRoot) -> None:
 
 def hook_lightning_module(root: ShardedRoot) -> None:
     """The LightningModule's own forward (``self(x)`` in a step) gathers the root unit too, and its and the
-    callbacks' gradient hooks refuse a computation on a shard, for this stage: :meth:`ShardedRoot.remove_owner_hooks`
+    callbacks' hooks refuse a host read of a shard, for this stage: :meth:`ShardedRoot.remove_owner_hooks`
     takes them off at teardown."""
     if root.reads is not None:  # one mode per root (a compiled region's guards hold it): its map, at the first forward
         root.reads.stand_in_of = None
@@ -132,8 +132,8 @@ def hook_lightning_module(root: ShardedRoot) -> None:
         return
     if getattr(root, "probe", None) is not None:
         root.owner_hooks.append(root.owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root)))
-    if isinstance(root, FSDPModule):  # hooks reading gradients meet shards (shard_reads)
-        root.owner_hooks.extend(guard_gradient_hooks(root.owner, "ShardedPowerSGDStrategy"))
+    if isinstance(root, FSDPModule):  # hooks reading weights or gradients meet shards (shard_reads)
+        root.owner_hooks.extend(guard_hooks(root.owner, "ShardedPowerSGDStrategy"))
 
 
 def _gather_if_sharded(root: ShardedRoot, *_: Any) -> None:
