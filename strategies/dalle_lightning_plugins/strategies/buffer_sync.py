@@ -21,8 +21,6 @@ fit starts from rank 0's buffers on every rank, as every ``ddp`` rank loads rank
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,35 +32,30 @@ class BufferBroadcasts:
     """``ddp``'s ``require_forward_param_sync`` for one strategy: whether the next forward starts from rank 0's
     buffers. A stage's first forward finds it set, as a fit's fresh ``DistributedDataParallel`` does.
 
-    Args:
-        scope: the ranks that share the first one's buffers, and how many (every rank; a node under local steps).
-        until_teardown: takes the reset to a fresh wrapper's state at the end of the stage that first asked.
+    ``scope`` (each call's): the ranks that share the first one's buffers, and how many (every rank; a node under
+    local steps).
     """
 
-    def __init__(self, scope: Callable[[], tuple[dist.ProcessGroup | None, int]],
-                 until_teardown: Callable[[Callable[[], None]], None]) -> None:
-        self.scope = scope
-        self.until_teardown = until_teardown
+    def __init__(self) -> None:
         self.pending = True  # the last forward was synchronised and grad-enabled (or there was none this stage)
-        self._in_stage = False
 
-    def before_forward(self, module: nn.Module | None, synchronised: bool) -> None:
-        """Collective over the scope when a broadcast is due: rank 0's buffers before this forward; then note
+    def begin_stage(self) -> None:
+        """A stage's setup: its first forward broadcasts, as a fit's fresh ``DistributedDataParallel`` does."""
+        self.pending = True
+
+    def before_forward(self, module: nn.Module | None, synchronised: bool,
+                       scope: tuple[dist.ProcessGroup | None, int]) -> None:
+        """Collective over ``scope`` when a broadcast is due: rank 0's buffers before this forward; then note
         whether this forward (grad-enabled, ``synchronised``: not inside ``block_backward_sync``) makes the next
         one broadcast."""
-        if not self._in_stage:
-            self._in_stage, self.pending = True, True
-            self.until_teardown(self._end_stage)
         if self.pending and module is not None:
-            self.share(module)
+            self.share(module, scope)
         self.pending = torch.is_grad_enabled() and synchronised
 
-    def share(self, module: nn.Module) -> None:
-        """Collective over the scope: every rank of it takes the scope's first rank's buffers (before a forward, and
+    @staticmethod
+    def share(module: nn.Module, scope: tuple[dist.ProcessGroup | None, int]) -> None:
+        """Collective over ``scope``: every rank of it takes the scope's first rank's buffers (before a forward, and
         after a resume, as every ``ddp`` rank loads rank 0's file)."""
-        group, size = self.scope()
+        group, size = scope
         if size > 1:
             broadcast_buffers(module, group)
-
-    def _end_stage(self) -> None:
-        self._in_stage, self.pending = False, True

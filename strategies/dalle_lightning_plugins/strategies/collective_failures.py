@@ -21,6 +21,11 @@ from dalle_lightning_plugins.compression.exchange import ExchangeError
 from dalle_lightning_plugins.environments.peer_loss import PeerLost, lost_peer
 
 
+def lost_peer_line(error: ExchangeError, seconds: float) -> str:
+    """The line for a strategy that does not know its nodes: the collective, how long it waited, the reason."""
+    return f"{error.waiting_on} failed after {seconds:.1f} s: {error.reason}; a peer is down"
+
+
 class CollectiveFailures:
     """Wraps a collective so that a lost peer ends the run in one line naming it (see the module). The strategy
     holds one and enters :meth:`named` around Lightning's ``barrier``, ``reduce``, ``broadcast`` and its own writes.

@@ -73,12 +73,12 @@ class DTensorCollectives:
         converts, though a broadcast sends only ``src``'s)."""
         return full_value(value)
 
-    def raw_collectives_for_stage(self, mesh: DeviceMesh, until_teardown: Callable[[Callable[[], None]], None]) -> None:
+    def raw_collectives_for_stage(self, mesh: DeviceMesh) -> Callable[[], None]:
         """``torch.distributed.all_reduce``/``broadcast`` on the DTensors of ``mesh`` (the strategy's), until this
-        stage's teardown (:class:`RawCollectives`; ``until_teardown`` is the strategy's)."""
+        stage's teardown runs the returned undo (:class:`RawCollectives`)."""
         raw = RawCollectives(mesh, self.owner)
         raw.install()
-        until_teardown(raw.uninstall)
+        return raw.uninstall
 
 
 def _local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:

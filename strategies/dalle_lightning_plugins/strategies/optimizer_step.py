@@ -66,7 +66,8 @@ def _once(result: Any, optimizer: Optimizer) -> Callable[[], Any]:
 class AveragedStep:
     """``optimizer_step`` with the inter-node average and the skip of a non-finite update (see the module).
 
-    It owns the step's flags, which the strategy's ``backward`` sets: ``reduced`` (the result of the average of the
+    It owns the step's flags, which the strategy's ``backward`` reports (:meth:`begin_backward`,
+    :meth:`end_backward`): ``reduced`` (the result of the average of the
     last backward's gradients, once the backward or a step ran it; None until then), ``overlapped`` (the last
     synchronised backward took the overlapped path) and ``backward_start``. The strategy hands it the precision
     plugin, Lightning's own step (``base_step``) and its ``reduce_gradients`` (which a subclass may change), so
@@ -76,6 +77,18 @@ class AveragedStep:
         self.reduced: bool | None = None
         self.overlapped = False
         self.backward_start = 0.0
+
+    def begin_backward(self, start: float, overlapped: bool | None) -> None:
+        """A backward started at ``start`` (``time.perf_counter()``); ``overlapped``: whether this synchronised
+        backward takes the overlapped path (None: a micro-batch that reduces nothing, which leaves the last one's)."""
+        self.backward_start = start
+        if overlapped is not None:
+            self.overlapped = overlapped
+
+    def end_backward(self, reduced: bool | None) -> None:
+        """The backward's gradients: averaged over the nodes with this result, or None (the first step that takes
+        them averages them, :meth:`take_reduction`)."""
+        self.reduced = reduced
 
     def step(self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | nn.Module | None,
              *, precision: Any, module: pl.LightningModule | None, base_step: Callable[..., Any],

@@ -45,7 +45,7 @@ from typing_extensions import override
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.io.checkpoint_io import atomic_io
 from dalle_lightning_plugins.io.dcp_checkpoint import export_full_state_dict
-from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
+from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures, lost_peer_line
 from dalle_lightning_plugins.strategies.dtensor_collectives import DTensorCollectives
 from dalle_lightning_plugins.strategies.optimizer_step import refuse_reevaluating_optimizers
 from dalle_lightning_plugins.strategies.precision_choice import check_precision_plugin
@@ -64,7 +64,7 @@ class ShardedParallelStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._stage_undo: list[Callable[[], None]] = []
         self.num_nodes = 1
-        self.collective_failures = CollectiveFailures(self._collective_failure)
+        self.collective_failures = CollectiveFailures(lost_peer_line)  # a subclass may word it with its nodes
         self.dtensor_collectives = DTensorCollectives(type(self).__name__)
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy
@@ -210,11 +210,7 @@ class ShardedParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ Lightning's collectives, as ddp's
     # On sharded values as ddp's on the full ones (DTensorCollectives); a lost peer in one line naming the
-    # collective (CollectiveFailures, worded by ``_collective_failure``).
-
-    def _collective_failure(self, error: BaseException, seconds: float) -> str:
-        """One line for a collective that failed with a lost peer; a subclass names the nodes it waited for."""
-        return f"{error} after {seconds:.1f} s: a peer is down"
+    # collective (CollectiveFailures).
 
     @override
     def barrier(self, name: str | None = None) -> None:

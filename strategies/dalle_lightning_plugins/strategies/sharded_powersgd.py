@@ -41,9 +41,9 @@ from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, chec
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.compression.exchange import ExchangeError
 from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
+from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
 from dalle_lightning_plugins.strategies.carried import SHARDED_ROOT_ATTR, carried
 from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot
-from dalle_lightning_plugins.strategies.weight_averaging import shard_averages
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
 from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD  # noqa: F401 (kept names)
@@ -164,10 +164,11 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
                  comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps),
             compression=compression, overlap=overlap, bucket_cap_mb=bucket_cap_mb,
             uncompressed_patterns=uncompressed_patterns)
+        self.collective_failures = CollectiveFailures(self.inter_node.failure)  # names the nodes it waited for
         self.stage = ShardedModel()  # the sharded root, kept across fit -> validate: FSDP2 shards a module only once
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self.averaged_step = AveragedStep()
-        self.buffer_broadcasts = BufferBroadcasts(self._buffer_scope, self.until_teardown)  # rank 0's, as ddp's
+        self.buffer_broadcasts = BufferBroadcasts()  # rank 0's, as ddp's
 
     @property
     def powersgd(self) -> PowerSGD | None:
@@ -211,7 +212,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
             for group in (exchange.p_group, exchange.q_group):
                 self.until_teardown(functools.partial(dist.destroy_process_group, group))
         if per_node > 1:  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
-            self.dtensor_collectives.raw_collectives_for_stage(self._device_mesh, self.until_teardown)
+            self.until_teardown(self.dtensor_collectives.raw_collectives_for_stage(self._device_mesh))
             self.whole_weights.roll_call.begin(self._device_mesh["shard"].mesh.flatten().tolist())  # after an error
 
     # ------------------------------------------------------------------ model setup
@@ -230,11 +231,8 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
             self.model = self.stage.reuse(module, known, shard_size, functools.partial(self._prepare, fitting=fitting))
         else:
             self.model = self._shard(module, fitting)
-            if self.model is not module:
-                self.stage.root = self.model  # type: ignore[assignment]
-        # Lightning's WeightAveraging: its copy sharded as the module
-        self.stage.averages_sharded = fitting and isinstance(self.model, FSDPModule) and shard_averages(trainer, module,
-                                                                                                  self.until_teardown)
+        if fitting and (undo := self.stage.shard_averages(trainer, module)) is not None:
+            self.until_teardown(undo)  # Lightning's WeightAveraging: its copy sharded as the module
         if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
             self.inter_node.attach(module, self.stage.block_names, sharded_root.replicated_parameters(module, shard_size > 1))
         self.barrier()
@@ -279,16 +277,14 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         shard = self.device_mesh["shard"]  # units that did not run exactly once, and gradients to leave as they were
         irregular, untouched = ([], []) if shard.size() == 1 else self.stage.before_backward(
             closure_loss, shard.get_group(), self.root_device)
-        step = self.averaged_step
-        step.backward_start = time.perf_counter()
+        step, start = self.averaged_step, time.perf_counter()
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         path = self.inter_node.path(synchronised=self._synchronised_step, module=module,
                                     precision=self.precision_plugin, every_unit_ran_once=not irregular)
-        if self._synchronised_step:
-            step.overlapped = path is ExchangePath.OVERLAPPED
+        step.begin_backward(start, path is ExchangePath.OVERLAPPED if self._synchronised_step else None)
         if self.inter_node.exchange is not None:
             precision = self.precision_plugin
             unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
@@ -301,7 +297,8 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         for p in untouched:
             p.grad = None
         # new gradients: averaged here, or once by the first optimizer step that takes them (AveragedStep)
-        step.reduced = self.reduce_gradients() if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD) else None
+        step.end_backward(self.reduce_gradients() if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD)
+                          else None)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -342,13 +339,10 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         self.inter_node.log_stats(self.lightning_module.trainer)
         return ok
 
-    def _collective_failure(self, error: BaseException, seconds: float) -> str:
-        return self.inter_node.failure(error, seconds)  # names the nodes the collective waited for
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # ddp's wrapper runs it only while fitting
-            self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step)
+            self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step, self._buffer_scope())
         output = super().validation_step(*args, **kwargs)
         if self.stage.averages_sharded and self.stage.root is not None:
             # WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root
@@ -358,9 +352,9 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step)  # as ddp's wrapper
-        if self.stage.root is not None:
-            self.stage.root.units_ran.clear()  # forwards outside training (validation) do not count
+        # as ddp's wrapper
+        self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step, self._buffer_scope())
+        self.stage.new_step()  # forwards outside training (validation) do not count
         return super().training_step(*args, **kwargs)
 
     def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
@@ -450,7 +444,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         loaded = self.checkpoints.load(path, weights_only, module=self.lightning_module, optimizers=self.optimizers,
                                        io=self.checkpoint_io, ranks=Ranks(self.global_rank, self.world_size, self.barrier),
                                        load_rank_state=self._load_rank_state)
-        self.buffer_broadcasts.share(self.lightning_module)
+        self.buffer_broadcasts.share(self.lightning_module, self._buffer_scope())
         return loaded
 
     def exchange_figures(self) -> dict[str, float]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.protocol import RESBLOCKS_METHOD, blocks_tied_outside, find_resblocks
@@ -26,7 +27,10 @@ from dalle_lightning_plugins.strategies.activation_checkpointing import Activati
 from dalle_lightning_plugins.strategies.sharded_root import (VERIFY_EVERY, VERIFY_FIRST, ShardedRoot, check_units_ran,
                                                               hook_lightning_module, reshard_all)
 from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
-from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards
+from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards, shard_averages
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 def declares_resblocks(module: nn.Module) -> bool:
@@ -66,6 +70,7 @@ class ShardedModel:
         module's."""
         self.checkpointing = ActivationCheckpointing()
         self.backwards = 0
+        self.averages_sharded = False
         if self.root is not None and self.root.owner is not module:
             self.root = None
 
@@ -90,6 +95,19 @@ class ShardedModel:
         self.block_names = [name for name, _ in blocks]
         self.blocks = dict(blocks)
         return blocks
+
+    def shard_averages(self, trainer: pl.Trainer, module: nn.Module) -> Callable[[], None] | None:
+        """A fit's Lightning ``WeightAveraging`` copies sharded as the module
+        (:func:`~dalle_lightning_plugins.strategies.weight_averaging.shard_averages`), where the root is sharded;
+        returns the undo for the stage's end, or None."""
+        undo = shard_averages(trainer, module) if isinstance(self.root, FSDPModule) else None
+        self.averages_sharded = undo is not None
+        return undo
+
+    def new_step(self) -> None:
+        """A training step starts: the units' forwards are counted from here (validation's do not count)."""
+        if self.root is not None:
+            self.root.units_ran.clear()
 
     def checkpoint_blocks(self, blocks: list[tuple[str, nn.Module]]) -> None:
         """Recompute these blocks' activations in backward, for this stage."""
@@ -135,12 +153,14 @@ class ShardedModel:
             broadcast_replicas(module, mesh["replicate"], world_size)
             if shard_size > 1:
                 return module  # a stage without training, on whole weights: the module itself, as under ddp
-            return ShardedRoot(module, dict(module.named_children()))
+            self.root = ShardedRoot(module, dict(module.named_children()))
+            return self.root
         # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
         root = shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=mp_policy,
                                            reshard_after_forward=reshard_after_forward, prefetch_depth=prefetch_depth)
         broadcast_replicas(module, mesh["replicate"], world_size)
         load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
+        self.root = root
         return root
 
     def before_backward(self, closure_loss: torch.Tensor, shard_group: dist.ProcessGroup,

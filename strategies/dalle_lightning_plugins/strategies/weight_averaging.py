@@ -63,15 +63,23 @@ def _replace_parameters(module: nn.Module, make: Any) -> dict[str, torch.device]
 
 
 @torch.no_grad()
-def shard_averages(trainer: pl.Trainer, module: nn.Module,
-                   until_teardown: Callable[[Callable[[], None]], None] | None = None) -> bool:
-    """Every averaged copy of a Lightning ``WeightAveraging`` callback sharded as ``module``'s parameters are;
-    whether there is any (the strategy then keeps the module's registered parameters sharded between steps).
-    ``until_teardown`` takes :func:`end_averages` for the stage's end, whichever way it ends."""
-    live = dict(module.named_parameters(remove_duplicate=False))
+def shard_averages(trainer: pl.Trainer, module: nn.Module) -> Callable[[], None] | None:
+    """Every averaged copy of a Lightning ``WeightAveraging`` callback sharded as ``module``'s parameters are.
+    Returns the undo for the stage's end, whichever way it ends (:func:`end_averages`), or None where there is no
+    copy; a failure on the way runs it at once."""
     copies = _averaged_copies(trainer)
-    if copies and until_teardown is not None:
-        until_teardown(functools.partial(end_averages, trainer))
+    if not copies:
+        return None
+    undo = functools.partial(end_averages, trainer)
+    try:
+        _shard_copies(copies, dict(module.named_parameters(remove_duplicate=False)))
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def _shard_copies(copies: list[Any], live: dict[str, nn.Parameter]) -> None:
     for averaged in copies:
         if averaged in _SHARDED:
             continue
@@ -87,7 +95,6 @@ def shard_averages(trainer: pl.Trainer, module: nn.Module,
         handles = [averaged.register_state_dict_post_hook(functools.partial(_whole_state, devices)),
                    averaged.register_load_state_dict_pre_hook(_sharded_load)]
         _SHARDED[averaged] = (handles, devices)
-    return bool(copies)
 
 
 @torch.no_grad()
