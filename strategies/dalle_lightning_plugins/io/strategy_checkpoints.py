@@ -21,7 +21,7 @@ never a pickled blob, so a full file loads with ``torch.load(weights_only=True)`
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +80,6 @@ class Ranks:
 
     global_rank: int
     world_size: int
-    barrier: Callable[[str], None]
 
 
 class StrategyCheckpoints:
@@ -121,9 +120,10 @@ class StrategyCheckpoints:
         return get_optimizer_state_dict(module, optimizer)
 
     def save(self, checkpoint: dict[str, Any], path: PathLike, *, module: nn.Module, root: nn.Module | None,
-             io: CheckpointIO, ranks: Ranks, rank_state: Callable[[], dict[str, Any]]) -> None:
-        """Collective: ``checkpoint`` to ``path`` in the strategy's format; ``rank_state`` gives this rank's own
-        state (PowerSGD's and what a subclass adds)."""
+             io: CheckpointIO, ranks: Ranks, rank_state: dict[str, Any]) -> None:
+        """Collective: ``checkpoint`` to ``path`` in the strategy's format; ``rank_state`` is this rank's own state
+        (PowerSGD's and what a subclass adds). Rank 0 may still be writing when it returns: the caller's barrier
+        follows."""
         if self._full_checkpoints:
             self._save_full(checkpoint, path, module, io, ranks, rank_state)
         else:
@@ -133,7 +133,7 @@ class StrategyCheckpoints:
             to_plain(root)
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: PathLike, module: nn.Module, ranks: Ranks,
-                      rank_state: Callable[[], dict[str, Any]]) -> None:
+                      rank_state: dict[str, Any]) -> None:
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
@@ -144,7 +144,7 @@ class StrategyCheckpoints:
         checkpoint[SHARDED_EXTRAS_KEY] = {key: sorted(state[key]) for key in extras}
         # This rank's own state: its tensors in DCP under its own key, its plain values (with a place for each
         # tensor) in the metadata, a list by rank (rank 0 writes the metadata).
-        skeleton, tensors = split(rank_state(), "the strategy's per-rank state")
+        skeleton, tensors = split(rank_state, "the strategy's per-rank state")
         if tensors:
             state[rank_key(POWERSGD_KEY, ranks.global_rank)] = tensors
         checkpoint[POWERSGD_KEY] = gather_plain_to_rank0(skeleton)
@@ -155,24 +155,22 @@ class StrategyCheckpoints:
         save_sharded(path, state, checkpoint)
 
     def _save_full(self, checkpoint: dict[str, Any], path: PathLike, module: nn.Module, io: CheckpointIO,
-                   ranks: Ranks, rank_state: Callable[[], dict[str, Any]]) -> None:
+                   ranks: Ranks, rank_state: dict[str, Any]) -> None:
         """Collective: one file as ``ddp`` writes it (model and optimizers whole, from rank 0), plus each rank's
         PowerSGD state and buffers in lists by global rank, so a resume on the same mesh continues exactly."""
         extras = [k for k, v in checkpoint.items() if _holds_dtensors(v)]
         for key in extras:  # a sharded EMA: whole tensors, as the callback writes them under ddp
             checkpoint[key] = {n: v.full_tensor().cpu() for n, v in checkpoint[key].items()}
         checkpoint[SHARDED_EXTRAS_KEY] = extras
-        checkpoint[POWERSGD_KEY] = gather_to_rank0(rank_state(), "the strategy's per-rank state")
+        checkpoint[POWERSGD_KEY] = gather_to_rank0(rank_state, "the strategy's per-rank state")
         # the gathered state dict is empty off rank 0: names from the module
         buffers = _own_buffers(module, module.state_dict())
         checkpoint[RANK_BUFFERS_KEY] = gather_to_rank0(buffers, "the rank's buffers")
         if ranks.global_rank == 0:
             io.save_checkpoint(checkpoint, path)
-        ranks.barrier("save_checkpoint")
 
     def load(self, path: PathLike, weights_only: bool | None, *, module: pl.LightningModule,
-             optimizers: list[Optimizer], io: CheckpointIO, ranks: Ranks,
-             load_rank_state: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+             optimizers: list[Optimizer], io: CheckpointIO, ranks: Ranks) -> tuple[dict[str, Any], Any]:
         """Either form: a sharded DCP directory, or one file (this strategy's ``"full"`` format or ``ddp``'s).
 
         ``weights_only`` as ``ddp`` takes it: passed on to ``torch.load`` unchanged, so None means torch's default
@@ -180,15 +178,15 @@ class StrategyCheckpoints:
         ``Trainer.fit(weights_only=...)`` on only to strategies that restore before setup (``ddp``); this one, as its
         own FSDP and ModelParallel strategies, restores after setup and is called with None. A file that asks for
         more than data is refused in one line (:class:`~dalle_lightning_plugins.io.refusal.CheckpointRefused`).
-        ``load_rank_state`` takes this rank's own state back."""
+        Returns the checkpoint and this rank's own state, for the strategy to take back (None: the checkpoint has none
+        for this rank, as a ``ddp`` file or another world size's: a fresh start)."""
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
         if is_sharded_checkpoint(path):
-            return self._load_sharded(path, weights_only, module, optimizers, ranks, load_rank_state)
-        return self._load_full(path, weights_only, module, optimizers, io, ranks, load_rank_state)
+            return self._load_sharded(path, weights_only, module, optimizers, ranks)
+        return self._load_full(path, weights_only, module, optimizers, io, ranks)
 
     def _load_full(self, path: PathLike, weights_only: bool | None, module: pl.LightningModule,
-                   optimizers: list[Optimizer], io: CheckpointIO, ranks: Ranks,
-                   load_rank_state: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+                   optimizers: list[Optimizer], io: CheckpointIO, ranks: Ranks) -> tuple[dict[str, Any], Any]:
         try:
             checkpoint = io.load_checkpoint(path, weights_only=weights_only)
         except pickle.UnpicklingError as exc:  # torch's dozen lines, which do not name the file
@@ -200,18 +198,18 @@ class StrategyCheckpoints:
         # Per-rank state of a run on a mesh of this size; a ddp file (or another world size) has none: fresh.
         powersgd, buffers = checkpoint.pop(POWERSGD_KEY, None), checkpoint.pop(RANK_BUFFERS_KEY, None)
         rank, world = ranks.global_rank, ranks.world_size
+        own = None
         if optimizers and isinstance(powersgd, list) and len(powersgd) == world:
-            load_rank_state(_own_part(powersgd[rank], path, f"{POWERSGD_KEY}[{rank}]", weights_only, world))
+            own = _own_part(powersgd[rank], path, f"{POWERSGD_KEY}[{rank}]", weights_only, world)
         if isinstance(buffers, list) and len(buffers) == world:
             _copy_buffers(module, _own_part(buffers[rank], path, f"{RANK_BUFFERS_KEY}[{rank}]", weights_only, world))
         params = dict(module.named_parameters())
         for key in checkpoint.pop(SHARDED_EXTRAS_KEY, []):
             checkpoint[key] = {n: like(v, params[n].detach()) for n, v in checkpoint[key].items()}
-        return checkpoint
+        return checkpoint, own
 
     def _load_sharded(self, path: PathLike, weights_only: bool | None, module: pl.LightningModule,
-                      optimizers: list[Optimizer], ranks: Ranks,
-                      load_rank_state: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+                      optimizers: list[Optimizer], ranks: Ranks) -> tuple[dict[str, Any], Any]:
         rank, world = ranks.global_rank, ranks.world_size
         # Read first on every rank, so that a directory that asks for more is refused before any collective.
         stored = read_dcp_metadata(path, trust=weights_only is False).state_dict_metadata
@@ -250,11 +248,12 @@ class StrategyCheckpoints:
             _copy_buffers(module, _own_part(state[buffers_key], path, f"key {buffers_key!r}", weights_only, world))
         for idx, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"])
+        own = None
         if optimizers and legacy:
-            load_rank_state(_own_part(state[key], path, f"key {key!r}", weights_only, world))
+            own = _own_part(state[key], path, f"key {key!r}", weights_only, world)
         elif optimizers and skeleton is not None:
-            load_rank_state(join(skeleton, state.get(key, {})))
-        return metadata
+            own = join(skeleton, state.get(key, {}))
+        return metadata, own
 
 
 def _own_part(value: Any, path: PathLike, part: str, weights_only: bool | None, world_size: int) -> Any:

@@ -432,18 +432,21 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         assert self.powersgd is not None and self.lightning_module is not None
         path = self.broadcast(filepath)
         with self.collective_failures.named("a checkpoint's write"):
-            self.checkpoints.save(checkpoint, path, module=self.lightning_module, root=self.stage.root, io=self.checkpoint_io,
-                                  ranks=Ranks(self.global_rank, self.world_size, self.barrier), rank_state=self._rank_state)
+            self.checkpoints.save(checkpoint, path, module=self.lightning_module, root=self.stage.root,
+                                  io=self.checkpoint_io, ranks=Ranks(self.global_rank, self.world_size),
+                                  rank_state=self._rank_state())
+        self.barrier("save_checkpoint")  # rank 0's file is written before any rank goes on
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        """Either form, or a ``ddp`` file (:meth:`StrategyCheckpoints.load`); then rank 0's buffers everywhere, as
-        every ``ddp`` rank loads its file."""
+        """Either form, or a ``ddp`` file (:meth:`StrategyCheckpoints.load`); then this rank's own state, and rank 0's
+        buffers everywhere, as every ``ddp`` rank loads its file."""
         assert self.lightning_module is not None and self.powersgd is not None
         path = self.broadcast(checkpoint_path)
-        loaded = self.checkpoints.load(path, weights_only, module=self.lightning_module, optimizers=self.optimizers,
-                                       io=self.checkpoint_io, ranks=Ranks(self.global_rank, self.world_size, self.barrier),
-                                       load_rank_state=self._load_rank_state)
+        loaded, own = self.checkpoints.load(path, weights_only, module=self.lightning_module, optimizers=self.optimizers,
+                                            io=self.checkpoint_io, ranks=Ranks(self.global_rank, self.world_size))
+        if own is not None:
+            self._load_rank_state(own)
         self.buffer_broadcasts.share(self.lightning_module, self._buffer_scope())
         return loaded
 
