@@ -226,6 +226,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         module: nn.Module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.stage.begin(module)  # this stage's activation checkpointing; the last stage's root if it is module's
+        self.buffer_broadcasts.begin_stage()  # its first forward starts from rank 0's buffers, as a fresh ddp's
         shard_size = self.device_mesh["shard"].size()
         if (known := carried(module, SHARDED_ROOT_ATTR)) is not None:  # left sharded by full_weights_after=False
             self.model = self.stage.reuse(module, known, shard_size, functools.partial(self._prepare, fitting=fitting))
