@@ -9,7 +9,7 @@ accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it
 that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code reading a unit's weight outside the
 unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made in ``__init__``, a head tied through
 ``F.linear``, ``MultiheadAttention``'s ``out_proj``), and hooks reading weights or gradients (refused in one line on a host read of a
-shard, ``ddp``'s values through ``.full_tensor()``). Each is fitted on 2 gloo processes under ``ddp`` (the
+shard, ``ddp``'s values through ``.full_tensor()``), and one Trainer fitting a batch-norm module twice. Each is fitted on 2 gloo processes under ``ddp`` (the
 reference) and under the strategy, in one launch (start-up is the expensive part), from the same seed and data,
 with validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
 device), the parameter objects themselves (the user's own, by identity, under their names), and
@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers.distributed import run_distributed
-from tests.helpers.lightning_patterns import PATTERNS, TRAINER_ARGS, Base, CompiledChild
+from tests.helpers.lightning_patterns import PATTERNS, REFIT, REFIT_STEPS, TRAINER_ARGS, Base, CompiledChild
 from tests.test_strategy_common import external_launch_env
 
 WORLD = 2
@@ -106,6 +106,12 @@ def _fit(case: str, layout: str, rank: int) -> dict[str, Any]:
         warnings.simplefilter("always")
         try:
             trainer.fit(module, _loader(rank), _loader(rank))
+            if case in REFIT:  # the same Trainer again, after a fit whose last forward was validation's
+                module.train()
+                with torch.no_grad():  # each rank's batch-norm statistics recalibrated on its own batch
+                    module(next(iter(_loader(rank)))[0] * (rank + 2))
+                trainer.fit_loop.epoch_loop.max_steps += REFIT_STEPS
+                trainer.fit(module, _loader(rank), _loader(rank))
         except Exception as error:  # noqa: BLE001 - the refusal itself is compared
             outcome = f"refused: {type(error).__name__}: {error}"
     return {"outcome": outcome, "before": before, "after": _state(module), "model_is_module": trainer.model is module,

@@ -3,7 +3,8 @@
 * After ``fit``, ``validate``, ``test`` and ``predict`` the module's parameters and buffers are plain tensors holding
   the whole values, equal to ``ddp``'s for the same seed (the conformance module, a stranger's ``nn.Sequential``
   with ``block_classes=[nn.Linear]``, the project's prior); a second ``fit`` shards them again and continues as
-  ``ddp`` does; ``full_weights_after=False`` keeps them sharded.
+  ``ddp`` does; ``full_weights_after=False`` keeps them sharded, and a second ``fit`` on the kept units starts
+  from rank 0's buffers as ``ddp``'s fresh wrapper does.
 * One ``torch.save`` per checkpoint on rank 0 and none on the others, as Lightning's ``ModelCheckpoint`` tests count.
 * Every precision string ``ddp`` takes trains as under ``ddp``, or is refused in one line naming the strategy.
 
@@ -195,6 +196,27 @@ def _kept_sharded(rank: int) -> dict[str, Any]:
     return out
 
 
+def _kept_refit_buffers(layout: str, rank: int) -> torch.Tensor:
+    """One Trainer fits a batch-norm module twice, ``full_weights_after=False`` (its units reused), the first fit
+    ending in validation (no grad: ddp broadcasts nothing before the next forward), each rank changing its running
+    statistics between the fits: the second fit's first forward takes rank 0's, as a fresh ``ddp`` wrapper does."""
+    from tests.helpers.lightning_patterns import NormedRefit
+
+    torch.manual_seed(0)
+    module = NormedRefit()
+    data = TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(1)),
+                         torch.randn(16, 1, generator=torch.Generator().manual_seed(2)))
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, C.WORLD, rank, shuffle=False))
+    trainer = C.make_trainer(layout, strategy_=_strategy(layout, block_patterns=["body.*"], full_weights_after=False),
+                             max_steps=2, val_check_interval=2, limit_val_batches=1)
+    trainer.fit(module, loader, loader)
+    with torch.no_grad():
+        module.norm.running_mean.mul_(rank + 2)
+    trainer.fit_loop.epoch_loop.max_steps += 1  # ends on a training step: no validation broadcast after it
+    trainer.fit(module, loader, loader)
+    return module.norm.running_mean.detach().clone()
+
+
 def _stranger(layout: str, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Stranger()
@@ -255,6 +277,7 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
             out[("after_fit", model, layout)] = _after_fit(model, layout, rank, Path(workdir))
         out[("stranger", layout)] = _stranger(layout, rank)
         out[("prior", layout)] = _prior(layout, rank)
+        out[("kept_refit_buffers", layout)] = _kept_refit_buffers(layout, rank)
         out[("saves", layout)] = _checkpoint_saves(layout, rank, Path(workdir))
         out[("ema", layout)] = _ema_resumed_finished(layout, rank, Path(workdir))
         for precision in PRECISIONS:
@@ -337,6 +360,15 @@ def test_full_weights_after_false_keeps_shards(results: list[dict[str, Any]]) ->
         kept = rank_out["kept_sharded"]
         assert kept["fit_dtensors"] > 0
         _assert_same(kept["refit"], rank_out[("stages", "ddp")]["refit"]["values"])
+
+
+@pytest.mark.distributed
+def test_kept_sharded_refit_starts_from_rank_0s_buffers(results: list[dict[str, Any]]) -> None:
+    ddp = [r[("kept_refit_buffers", "ddp")] for r in results]
+    assert not torch.equal(ddp[0], ddp[1]), "each rank's last batch moved its own statistics"
+    for rank, rank_out in enumerate(results):
+        torch.testing.assert_close(rank_out[("kept_refit_buffers", "dpn2")], ddp[rank], atol=1e-6, rtol=0,
+                                   msg=lambda m, r=rank: f"rank {r}: {m}")
 
 
 @pytest.mark.distributed

@@ -146,6 +146,20 @@ class BuffersOnlyChild(Base):
         return super().forward(self.norm(x))
 
 
+class NormedRefit(Base):
+    """A batch norm after the input layer (running statistics that follow each rank's batches), fitted twice by one
+    Trainer, each rank recalibrating the statistics on its own batch between the fits: the second fit's first forward
+    takes rank 0's buffers, as a fresh ``DistributedDataParallel`` does, though the first fit's last forward was
+    validation's (no grad: no broadcast before the forward after it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(torch.tanh(self.norm(self.inp(x)))))
+
+
 class OwnParameter(Base):
     """A parameter of the LightningModule itself (a learned output scale), not in any child."""
 
@@ -388,7 +402,12 @@ PATTERNS: dict[str, type[Base]] = {
     "gradients_read": GradientsRead,
     "weight_norm_logged": WeightNormLogged,
     "weights_read_whole": WeightsReadWhole,
+    "normed_refit": NormedRefit,
 }
+
+# Fitted twice by one Trainer (the second fit takes ``REFIT_STEPS`` more steps).
+REFIT = ("normed_refit",)
+REFIT_STEPS = 1  # odd: the second fit ends on a training step (validation every 2 would broadcast again)
 
 # Trainer arguments a pattern needs besides the defaults.
 TRAINER_ARGS: dict[str, dict[str, Any]] = {"accumulating": {"accumulate_grad_batches": 2},
