@@ -6,7 +6,13 @@ without the mode entered (no parameter is sharded here, so this is the pass-thro
 all-gather more): ``scanning``, every call's arguments checked (the calls outside the units), and ``paused``, as
 inside a unit's own ``forward``. ``overhead_*`` is the median over rounds of (step with the mode / step without) - 1.
 
-Usage: ``python benchmarks/shard_reads_cost.py [--shapes tiny demo] [--pairs 7] [--steps 5]``.
+``hooks``: what the hook guard (:class:`~dalle_lightning_plugins.strategies.shard_reads.HookReads`) adds to one call
+of a hook the user overrides, on the same model with its parameters DTensors (FSDP2 over a mesh of one gloo
+process): ``reads_weight`` reads one weight whole (``float(w.detach().full_tensor().norm())``: the guard's first DTensor
+argument makes it index every parameter and gradient by storage, once per call), ``plain`` does 20 torch calls on
+plain tensors (the mode's pass-through alone). Medians over interleaved rounds, in microseconds, beside ``step_s``.
+
+Usage: ``python benchmarks/shard_reads_cost.py [--shapes tiny demo] [--pairs 7] [--steps 5] [--hook-calls 200]``.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from plugins_overhead import SHAPES
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from dalle_lightning.models.prior import DallePrior
-from dalle_lightning_plugins.strategies.shard_reads import ShardReads
+from dalle_lightning_plugins.strategies.shard_reads import HookReads, ShardReads
 
 
 def _step(model: DallePrior, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
@@ -37,12 +46,37 @@ def _step(model: DallePrior, optimizer: torch.optim.Optimizer, batch: tuple[torc
     return time.perf_counter() - start
 
 
+def _hook_cost(model: DallePrior, pairs: int, calls: int) -> dict[str, float]:
+    """Microseconds per hook call with the guard and without it (see the module's docstring)."""
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model, mesh=mesh)
+    weight = next(model.parameters())
+    plain = torch.randn(64, 64)
+    hooks = {"reads_weight": lambda: float(weight.detach().full_tensor().norm()),
+             "plain": lambda: [torch.tanh(plain).sum() for _ in range(20)]}
+    out: dict[str, float] = {"parameters": len(list(model.parameters()))}
+    for name, hook in hooks.items():
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(pairs + 1):  # the first round warms up
+            for guarded in (False, True):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    with HookReads("bench", "on_train_batch_end", model) if guarded else contextlib.nullcontext():
+                        hook()
+                times[guarded].append((time.perf_counter() - start) / calls * 1e6)
+        out[f"{name}_us"] = statistics.median(times[False][1:])
+        out[f"{name}_guard_us"] = statistics.median(g - u for g, u in zip(times[True][1:], times[False][1:]))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["tiny", "demo"])
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--hook-calls", type=int, default=200)
     args = parser.parse_args()
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29581", rank=0, world_size=1)
     rows = []
     for shape in args.shapes:
         config, batch_size = SHAPES[shape]
@@ -62,7 +96,9 @@ def main() -> None:
                "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
         for mode in modes[1:]:
             row[f"overhead_{mode}"] = statistics.median(m / n for m, n in zip(times[mode], times["none"])) - 1
+        row["hooks"] = _hook_cost(model, args.pairs, args.hook_calls)
         rows.append(row)
+    dist.destroy_process_group()
     print(json.dumps({"benchmark": "shard_reads_cost", "rows": rows}, indent=1))
 
 

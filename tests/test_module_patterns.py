@@ -5,15 +5,17 @@ The patterns (``tests/helpers/lightning_patterns.py``) are those a Lightning use
 built in ``__init__`` or in ``configure_optimizers``, a parameter of the module tied to a child's, weights tied
 across children, a shared child, a list attribute holding a child, a frozen child, a child with buffers only, a
 parameter of the module itself, ``configure_model``, a model built under ``init_module(empty_init=True)``, gradient
-accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a sparse embedding (refused), modules
-that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code reading a unit's weight outside the
-unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made in ``__init__``, a head tied through
-``F.linear``, ``MultiheadAttention``'s ``out_proj``), and hooks reading weights or gradients (refused in one line on a host read of a
-shard, ``ddp``'s values through ``.full_tensor()``), and one Trainer fitting a batch-norm module twice. Each is fitted on 2 gloo processes under ``ddp`` (the
-reference) and under the strategy, in one launch (start-up is the expensive part), from the same seed and data,
-with validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
-device), the parameter objects themselves (the user's own, by identity, under their names), and
-``trainer.model is module``. A refusal must be one line, raised on every rank before any weight moved.
+accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a
+sparse embedding (refused), modules that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code
+reading a unit's weight outside the unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made
+in ``__init__``, a head tied through ``F.linear``, ``MultiheadAttention``'s ``out_proj``), and hooks reading
+weights or gradients (refused in one line on a host read of a shard, ``ddp``'s values through ``.full_tensor()``),
+and one Trainer fitting a batch-norm module twice. Each is fitted on 2 gloo processes under ``ddp`` (the reference)
+and under the strategy, in one launch (start-up is the expensive part), from the same seed and data, with
+validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
+device), the parameter objects themselves (the user's own, by identity, under their names), and ``trainer.model is
+module``.
+A refusal must be one line, raised on every rank before any weight moved.
 """
 
 from __future__ import annotations

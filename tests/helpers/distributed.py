@@ -8,9 +8,11 @@
     assert run_distributed(worker, 2, 10.0) == [10.0, 10.0]
 
 Why this shape:
-- ``forkserver`` start method with torch preloaded: workers fork from a clean server process that has imported
-  torch but run nothing (no thread pools or gloo state to inherit), so they start at once instead of each
-  paying the torch import, which is slow on a loaded 2-core machine. The server is reused across calls.
+- ``forkserver`` start method with torch and Lightning preloaded: workers fork from a clean server process that
+  has imported them but run nothing (no thread pools or gloo state to inherit), so they start at once instead of
+  each paying the imports (``import lightning.pytorch`` alone takes about 10 s of a loaded 2-core machine: 5 s
+  per launch of 2 workers, measured). The server is reused across calls. The project and its plugins are not
+  preloaded: each worker imports them itself, so an import's effects happen in the worker.
 - The parent hosts the rendezvous TCPStore on port 0 and hands the chosen port to the workers, so there is no
   race for a "free" port between concurrent test runs.
 - Results travel as ``torch.save`` bytes (tensors welcome) rather than shared-memory handles, which would die
@@ -42,6 +44,7 @@ import torch.multiprocessing as mp
 from tests.helpers.fork_safety import autograd_survives_fork
 
 HOST = "127.0.0.1"
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch"]
 
 
 class WorkerError(RuntimeError):
@@ -160,9 +163,9 @@ def run_distributed(
         start_method = "forkserver"  # a compile test ran in this process: forked workers could not backward
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        # The fork server imports torch once; every worker forks from it instead of importing torch again, which
-        # on a loaded 2-core machine saves several seconds per process.
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        # The fork server imports torch and Lightning once; every worker forks from it instead of importing them
+        # again, which on a loaded 2-core machine saves several seconds per process.
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
 
     def start_store() -> dist.TCPStore:
         return host_store(world_size, timeout)
