@@ -537,3 +537,32 @@ def test_tensor_hook_count_counts_both_kinds_of_gradient_hook() -> None:
     assert compat.tensor_hook_count(p) == 3
     handle.remove()
     assert compat.tensor_hook_count(p) == 2
+
+
+class _NoLocalAttribute:
+    """A release whose DTensor keeps its local tensor under another name: only ``to_local()`` answers."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local = local
+
+    def to_local(self) -> torch.Tensor:
+        return self.local
+
+
+def test_local_tensor_is_to_local_s_storage_or_falls_back_to_it() -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        whole = torch.arange(6.0).reshape(3, 2)
+        sharded = distribute_tensor(whole, init_device_mesh("cpu", (1,)), [Shard(0)])
+        local = compat.local_tensor(sharded)
+        assert type(local) is torch.Tensor and local.data_ptr() == sharded.to_local().data_ptr()
+        assert torch.equal(local, whole)
+        plain = torch.ones(2)
+        assert compat.local_tensor(_NoLocalAttribute(plain)) is plain
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -208,6 +208,9 @@ FSDP2_INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "FSDPState": ("_register_pre_backward_hook",),
     "FSDPParamGroup": ("fsdp_params", "post_backward", "reduce_grads"),
     "FSDPParam": ("unsharded_accumulated_grad", "_unsharded_param", "unsharded_param"),
+    # compat.local_tensor (the hook guard of dalle_lightning_plugins.strategies.shard_reads): a sharded parameter's
+    # local tensor without to_local()'s autograd function.
+    "DTensor": ("_local_tensor",),
 }
 
 
@@ -231,7 +234,7 @@ def fsdp_unit() -> Iterator[dict[str, object]]:
         state = net._get_fsdp_state()  # type: ignore[operator]
         groups = fsdp_param_groups(state)
         yield {"FSDPState": state, "FSDPParamGroup": groups[0], "FSDPParam": groups[0].fsdp_params[0],
-               "groups": groups}
+               "DTensor": next(net.parameters()), "groups": groups}
     finally:
         if owned:
             dist.destroy_process_group()

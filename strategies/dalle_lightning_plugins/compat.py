@@ -5,7 +5,7 @@ The second half of the module holds the private names themselves (Lightning's me
 process-group connection and ``reduce``, its launcher, ``LightningModule._device_mesh``, ``Precision._after_closure``,
 a ``GradScaler``'s found-Inf record, FSDP2's root pre-backward hook, DTensor's op-handler table, an op's schema,
 the trainer a module is attached to, pytree's map, dynamo's config, the fused unscale-and-check kernel, a process
-group's timeout option): one place to look when a release renames one, each function saying
+group's timeout option, a DTensor's local tensor): one place to look when a release renames one, each function saying
 why it is needed and tested in ``tests/test_compat.py`` against a value worked out by hand. The first half:
 
 The plugins require ``torch>=2.9`` (``strategies/pyproject.toml`` says why that is the floor: the newest public
@@ -364,6 +364,14 @@ def tensor_hook_count(tensor: Any) -> int:
     sharded stage refuses a child's parameter that has any: its stand-in would train without them."""
     hooks = [getattr(tensor, "_backward_hooks", None), getattr(tensor, "_post_accumulate_grad_hooks", None)]
     return sum(len(h) for h in hooks if h)
+
+
+def local_tensor(value: Any) -> torch.Tensor:
+    """A DTensor's local tensor without ``to_local()``'s autograd function (about 7 us a call, 40 times the
+    attribute's cost): the hook guard (``strategies/shard_reads.py``) finds each DTensor a user's hook touches by its
+    storage, among every parameter and gradient. ``to_local()`` where a release has no ``_local_tensor``."""
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else value.to_local()
 
 
 def top_function_mode() -> Any:

@@ -208,8 +208,8 @@ class HookReads(TorchFunctionMode):
             for name, p in self.module.named_parameters():
                 for tensor, label in ((p, name), (p.grad, f"{name}.grad")):
                     if isinstance(tensor, DTensor):
-                        self.sources[tensor.to_local().data_ptr()] = label
-        return self.sources.get(value.to_local().data_ptr())
+                        self.sources[compat.local_tensor(tensor).data_ptr()] = label
+        return self.sources.get(compat.local_tensor(value).data_ptr())
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
