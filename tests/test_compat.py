@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dalle_lightning_plugins import compat
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import group_of_one, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -552,10 +552,7 @@ class _NoLocalAttribute:
 def test_local_tensor_is_to_local_s_storage_or_falls_back_to_it() -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         whole = torch.arange(6.0).reshape(3, 2)
         sharded = distribute_tensor(whole, init_device_mesh("cpu", (1,)), [Shard(0)])
         local = compat.local_tensor(sharded)
@@ -563,6 +560,3 @@ def test_local_tensor_is_to_local_s_storage_or_falls_back_to_it() -> None:
         assert torch.equal(local, whole)
         plain = torch.ones(2)
         assert compat.local_tensor(_NoLocalAttribute(plain)) is plain
-    finally:
-        if owned:
-            dist.destroy_process_group()

@@ -222,12 +222,9 @@ def fsdp_unit() -> Iterator[dict[str, object]]:
     from torch.distributed.fsdp import fully_shard
 
     from dalle_lightning_plugins.compat import fsdp_param_groups
+    from tests.helpers.distributed import group_of_one
 
-    owned = not dist.is_initialized()  # a default group another test left is used if it is a group of one
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert dist.get_world_size() == 1, "another test left a default process group of several ranks"
-    try:
+    with group_of_one():
         net = torch.nn.Sequential(torch.nn.Linear(2, 2))
         fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
         net(torch.randn(3, 2)).sum().backward()
@@ -235,9 +232,6 @@ def fsdp_unit() -> Iterator[dict[str, object]]:
         groups = fsdp_param_groups(state)
         yield {"FSDPState": state, "FSDPParamGroup": groups[0], "FSDPParam": groups[0].fsdp_params[0],
                "DTensor": next(net.parameters()), "groups": groups}
-    finally:
-        if owned:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("owner", "name"), [(o, n) for o, names in FSDP2_INSTANCE_NAMES.items() for n in names],

@@ -33,7 +33,8 @@ import os
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +73,21 @@ def join_group(rank: int, world_size: int, port: int, backend: str, timeout: flo
     store = dist.TCPStore(HOST, port, world_size + 1, is_master=False,
                           timeout=timedelta(seconds=store_timeout if store_timeout is not None else timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+
+
+@contextmanager
+def group_of_one() -> Iterator[None]:
+    """A default process group of this process alone (gloo on an in-process store), for a DTensor or an FSDP2 unit
+    in a single-process test; one another test left is used if it is a group of one."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1, "another test left a default process group of several ranks"
+    try:
+        yield None
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def stop(procs: list[Any]) -> None:
