@@ -15,6 +15,23 @@ from lightning.pytorch.plugins.precision import Precision
 from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep, refuse_reevaluating_optimizers
 
 
+class StepOnly(Precision):
+    """A precision plugin whose step is the optimizer's own, without Lightning's hooks (no Trainer here)."""
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return optimizer.step(closure, **kwargs)
+
+
+def _strategy_step(averaged: AveragedStep, optimizer: torch.optim.Optimizer, closure: Any, module: Any,
+                   reduce: Any) -> Any:
+    """The order ``ShardedPowerSGDStrategy.optimizer_step`` calls the parts in, the average by ``reduce``."""
+    result = averaged.run_closure(closure, module)
+    finite = averaged.unscale(optimizer, StepOnly(), result, module)
+    if averaged.due(finite):
+        averaged.averaged(reduce())
+    return averaged.update(optimizer, result, module, StepOnly(), finite)
+
+
 class TwoEvaluations(torch.optim.SGD):
     """Evaluates the closure twice per step, as sharpness-aware minimisation does (ascend, then descend)."""
 
@@ -30,8 +47,7 @@ def _step(optimizer: torch.optim.Optimizer) -> Any:
         runs.append(1)
         return torch.tensor(1.0)
 
-    out = AveragedStep().step(optimizer, closure, None, precision=Precision(), module=None,
-                              base_step=lambda opt, clo, model, **kw: opt.step(clo), reduce=lambda: True)
+    out = _strategy_step(AveragedStep(), optimizer, closure, None, lambda: True)
     return out, len(runs)
 
 
@@ -73,10 +89,8 @@ def test_steps_after_one_backward_share_its_inter_node_average() -> None:
 
     for _ in range(2):
         first.grad, second.grad = torch.ones(2), torch.ones(2)
-        averaged.reduced = None  # as the strategy's backward leaves it when the step is to average
+        averaged.averaged(None)  # as the strategy's backward leaves it when the step is to average
         for optimizer in optimizers:
-            averaged.step(optimizer, lambda: None, None, precision=Precision(),
-                          module=SimpleNamespace(automatic_optimization=False),  # type: ignore[arg-type]
-                          base_step=lambda opt, clo, model, **kw: opt.step(clo), reduce=reduce)
+            _strategy_step(averaged, optimizer, lambda: None, SimpleNamespace(automatic_optimization=False), reduce)
     assert len(reductions) == 2, "one inter-node average per backward"
     assert first.tolist() == second.tolist() == [0.0, 0.0]  # every optimizer stepped on each backward's gradients

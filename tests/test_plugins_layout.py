@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,7 @@ HEADING = "### Layout: a folder per kind"
 TOP = "(the top)"
 KINDS = {"strategies", "precision", "compression", "io", "environments"}
 MAX_LINES = 500
+STRATEGY_MAX_LINES = 400  # the strategies/ subpackage (issue 74): a module a Lightning maintainer reads at one sitting
 
 
 def _documented() -> dict[str, set[str]]:
@@ -71,6 +73,12 @@ def test_no_plugin_module_is_over_500_lines() -> None:
     assert not long, f"plugin modules over {MAX_LINES} lines: {long}; expected one concept per module"
 
 
+def test_no_strategy_module_is_over_400_lines() -> None:
+    long = {p.name: n for p in sorted((PACKAGE / "strategies").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > STRATEGY_MAX_LINES}
+    assert not long, f"strategies/ modules over {STRATEGY_MAX_LINES} lines: {long}; expected the hook order only"
+
+
 def test_the_strategy_is_one_base_class_and_parts_that_keep_to_their_own_state() -> None:
     """No mixins (issue 70): every class in ``ShardedPowerSGDStrategy``'s MRO before Lightning's is a strategy, and no
     module of the plugins reads another object's private attribute through ``self.<part>._<name>``."""
@@ -90,3 +98,32 @@ def test_the_strategy_is_one_base_class_and_parts_that_keep_to_their_own_state()
                     and isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self"):
                 reached.append(f"{path.relative_to(PACKAGE)}:{node.lineno} self.{inner.attr}.{node.attr}")
     assert not reached, reached
+
+
+def test_the_strategy_calls_its_parts_and_hands_them_none_of_its_own() -> None:
+    """A fit's flow is the strategy calling its parts (docs/plugins.md draws it): no part is handed one of the
+    strategy's own methods (``self.<method>`` or ``super().<method>`` as an argument, which the part would call
+    back), and no part's attribute is written from the strategy (``self.<part>.<name> = ...``)."""
+    from dalle_lightning_plugins.strategies.local_steps import LocalStepsStrategy
+    from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
+    from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
+
+    found = []
+    for strategy in (ShardedParallelStrategy, ShardedPowerSGDStrategy, LocalStepsStrategy):
+        path = Path(sys.modules[strategy.__module__].__file__)  # type: ignore[arg-type]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    if not isinstance(arg, ast.Attribute):
+                        continue
+                    own = isinstance(arg.value, ast.Name) and arg.value.id == "self" and callable(
+                        getattr(strategy, arg.attr, None)) and not isinstance(getattr(strategy, arg.attr), property)
+                    parent = isinstance(arg.value, ast.Call) and getattr(arg.value.func, "id", "") == "super"
+                    if own or parent:
+                        found.append(f"{path.name}:{node.lineno} hands {ast.unparse(arg)}")
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) else []:
+                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)
+                        and isinstance(target.value.value, ast.Name) and target.value.value.id == "self"):
+                    found.append(f"{path.name}:{node.lineno} writes {ast.unparse(target)}")
+    assert not found, found

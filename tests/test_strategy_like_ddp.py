@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dalle_lightning_callbacks.ema import EMA
-from dalle_lightning_plugins.strategies.sharded_powersgd import PRECISIONS, ShardedPowerSGDStrategy
+from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS
+from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 from tests.helpers import conformance as C
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import external_launch_env

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -134,8 +135,9 @@ class InterNodeReduction:
             self.choice.load_state_dict(choice)
 
     def setup(self, mesh: DeviceMesh, global_rank: int, world_size: int, per_node: int, backend: str,
-              timeout: timedelta | None) -> None:
-        """A fresh compressor on the mesh's replicate group; the overlapped exchange's two groups if it applies."""
+              timeout: timedelta | None) -> list[Callable[[], None]]:
+        """A fresh compressor on the mesh's replicate group; the overlapped exchange's two groups if it applies.
+        Returns the undo steps for the stage's teardown (the groups destroyed: this stage's only)."""
         self.global_rank, self.world_size, self.per_node = global_rank, world_size, per_node
         self.timeout = timeout
         self.powersgd = PowerSGD(mesh["replicate"].get_group(), dense_with_p=True, **self.powersgd_kwargs)
@@ -154,6 +156,9 @@ class InterNodeReduction:
                     mine = groups
             self.exchange = OverlappedExchange(self.powersgd, *mine, bucket_cap_mb=self.bucket_cap_mb)
         self._time = [0.0, 0]  # timed per fit, like the compressor's own counters
+        if self.exchange is None:
+            return []
+        return [functools.partial(dist.destroy_process_group, g) for g in (self.exchange.p_group, self.exchange.q_group)]
 
     def attach(self, module: nn.Module, block_names: Sequence[str], replicated: list[nn.Parameter]) -> None:
         """Learn the model: what goes uncompressed, the rank for ``compression``, the overlapped buckets."""
@@ -182,14 +187,19 @@ class InterNodeReduction:
 
     # ------------------------------------------------------------------ one step
 
-    def path(self, *, synchronised: bool, module: nn.Module | None, precision: Any,
-             every_unit_ran_once: bool) -> ExchangePath:
-        """When this backward's gradients cross between nodes (:func:`exchange_path`), with this part's world and
-        overlap."""
-        return exchange_path(synchronised=synchronised, world_size=self.world_size,
+    def begin_backward(self, *, synchronised: bool, module: nn.Module | None, precision: Any,
+                       every_unit_ran_once: bool) -> ExchangePath:
+        """When this backward's gradients cross between nodes (:func:`exchange_path`, with this part's world and
+        overlap); the overlapped exchange's hooks armed for it (idle unless it takes the overlapped path), with a
+        loss-scaling precision's ``unscale_group`` applied to each group before it is sent."""
+        path = exchange_path(synchronised=synchronised, world_size=self.world_size,
                              automatic_optimization=module is not None and bool(getattr(module, "automatic_optimization", True)),
                              precision=precision, can_overlap=self.exchange is not None and self.choice.overlap_now(),
                              every_unit_ran_once=every_unit_ran_once)
+        if self.exchange is not None:
+            unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
+            self.exchange.begin(active=path is ExchangePath.OVERLAPPED, unscale=unscale)
+        return path
 
     def reduce(self, module: nn.Module, device: torch.device, since: float | None = None) -> bool:
         """Average every local gradient shard over the replicate axis; False means skip the step (every rank).

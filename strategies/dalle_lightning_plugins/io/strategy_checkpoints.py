@@ -64,6 +64,7 @@ from dalle_lightning_plugins.io.full_checkpoint import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+CHECKPOINT_FORMATS = ("full", "sharded")  # one file as ddp writes it; a DCP directory of every rank's shards
 POWERSGD_KEY = "powersgd"
 OVERLAP_CHOICE_KEY = "overlap_choice"  # overlap="auto"'s schedule and decision, inside each rank's state
 SHARDED_EXTRAS_KEY = "sharded_extras"  # checkpoint keys (besides the model) saved through DCP: name -> DTensor
@@ -88,6 +89,8 @@ class StrategyCheckpoints:
     root, the optimizers, the checkpoint IO, the ranks and each rank's own state are handed to each call."""
 
     def __init__(self, checkpoint_format: str) -> None:
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
         self.format = checkpoint_format
         self._whole_after_save = False  # see _sharded_for_checkpoint
 

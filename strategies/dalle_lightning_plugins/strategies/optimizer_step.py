@@ -1,7 +1,7 @@
 """The optimizer step of the sharding strategies: the inter-node average between the backward and the update.
 
 A part :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy` holds (it owns the
-step's flags, which the strategy's ``backward`` sets, and is handed the rest). Lightning runs the closure (forward and
+step's flags, which the strategy's ``backward`` reports, and is handed the precision plugin). Lightning runs the closure (forward and
 backward) inside the precision plugin's ``optimizer_step``; here it runs first, so that the average over the nodes
 (PowerSGD) and the skip decision sit between the backward and the update, for each of the three kinds of precision:
 Lightning's ``MixedPrecision`` with a ``GradScaler``, a plugin that unscales per group (``UnscalingPrecision``),
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 import torch
-from torch import nn
 from torch.optim import Optimizer
 
 from dalle_lightning_plugins import compat
@@ -64,14 +63,14 @@ def _once(result: Any, optimizer: Optimizer) -> Callable[[], Any]:
 
 
 class AveragedStep:
-    """``optimizer_step`` with the inter-node average and the skip of a non-finite update (see the module).
+    """``optimizer_step`` with the inter-node average and the skip of a non-finite update (see the module), in
+    three calls the strategy makes in order: :meth:`run_closure`, :meth:`unscale`, then (the average run by the
+    strategy where :meth:`due`, its result given back with :meth:`averaged`) :meth:`update`.
 
-    It owns the step's flags, which the strategy's ``backward`` reports (:meth:`begin_backward`,
-    :meth:`end_backward`): ``reduced`` (the result of the average of the
-    last backward's gradients, once the backward or a step ran it; None until then), ``overlapped`` (the last
-    synchronised backward took the overlapped path) and ``backward_start``. The strategy hands it the precision
-    plugin, Lightning's own step (``base_step``) and its ``reduce_gradients`` (which a subclass may change), so
-    nothing is read back from the strategy."""
+    It owns the step's flags, which the strategy's ``backward`` reports (:meth:`begin_backward`, :meth:`averaged`):
+    ``reduced`` (the result of the average of the last backward's gradients, once the backward or a step ran it;
+    None until then), ``overlapped`` (the last synchronised backward took the overlapped path) and
+    ``backward_start``. It calls no method of the strategy's: the precision plugin is handed to it."""
 
     def __init__(self) -> None:
         self.reduced: bool | None = None
@@ -85,66 +84,68 @@ class AveragedStep:
         if overlapped is not None:
             self.overlapped = overlapped
 
-    def end_backward(self, reduced: bool | None) -> None:
-        """The backward's gradients: averaged over the nodes with this result, or None (the first step that takes
-        them averages them, :meth:`take_reduction`)."""
+    def averaged(self, reduced: bool | None) -> None:
+        """The last backward's gradients: averaged over the nodes with this result (False: every rank skips the
+        update), or None (not yet: the first step that takes them averages them, where :meth:`due`). Once per set of
+        gradients, as ``ddp`` averages once per backward: under manual optimization the steps after one
+        ``manual_backward`` (two optimizers, or one stepped twice) share it, and several ``manual_backward`` before a
+        step are averaged once, summed."""
         self.reduced = reduced
 
-    def step(self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | nn.Module | None,
-             *, precision: Any, module: pl.LightningModule | None, base_step: Callable[..., Any],
-             reduce: Callable[[], bool], **kwargs: Any) -> Any:
-        """Run forward/backward first, so the inter-node average (and the skip decision) sits between the backward
-        and the optimizer's update; the precision plugin then sees a closure that only returns."""
+    def run_closure(self, closure: Callable[[], Any], module: pl.LightningModule | None) -> Any:
+        """Forward and backward first, so the inter-node average (and the skip decision) sits between the backward
+        and the optimizer's update; the precision plugin then sees a closure that only returns (:func:`_once`)."""
         if module is None or module.automatic_optimization:
             self.reduced = None  # the closure runs this update's backward (none: training_step returned None)
-        result = closure()
-        with MixedLists():  # the update's foreach calls: plain parameters beside shards (mixed_lists)
-            return self._update(optimizer, result, model, precision=precision, module=module, base_step=base_step,
-                                reduce=reduce, **kwargs)
+        return closure()
 
-    def _update(self, optimizer: Optimizer, result: Any, model: pl.LightningModule | nn.Module | None, *,
-                precision: Any, module: pl.LightningModule | None, base_step: Callable[..., Any],
-                reduce: Callable[[], bool], **kwargs: Any) -> Any:
+    def unscale(self, optimizer: Optimizer, precision: Any, result: Any, model: Any) -> bool:
+        """Unscale the gradients the precision plugin scaled, so PowerSGD and its error feedback see true values;
+        False where no average is to run: no backward ran, or a plugin that unscales per group found a non-finite
+        gradient (it skips the update and backs off that block itself)."""
         if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-            return self._scaled_step(precision, optimizer, result, model or module, reduce, **kwargs)
+            if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
+                return False
+            precision.scaler.unscale_(optimizer)
+            return True
         if isinstance(precision, UnscalingPrecision):
-            # A precision plugin with per-block loss scales (``ResblockScalingPrecision``): unscale before PowerSGD,
-            # so error feedback holds true gradients, and let the plugin decide the skip, so an overflow backs off
-            # the block it came from. Non-finite flags are agreed on every rank, so either all ranks run PowerSGD's
-            # collectives or none does.
-            if precision.unscale_and_flag(optimizer) and not self.take_reduction(reduce):
-                precision.mark_nonfinite()
-            return base_step(optimizer, _once(result, optimizer), model, **kwargs)
-        if not self.take_reduction(reduce):
-            optimizer.zero_grad(set_to_none=True)
-            return result
-        return base_step(optimizer, _once(result, optimizer), model, **kwargs)
+            # Per-block loss scales (``ResblockScalingPrecision``): non-finite flags are agreed on every rank, so
+            # either all ranks run PowerSGD's collectives or none does.
+            return precision.unscale_and_flag(optimizer)
+        return True
 
-    def _scaled_step(self, precision: MixedPrecision, optimizer: Optimizer, result: Any,
-                     model: pl.LightningModule | nn.Module | None, reduce: Callable[[], bool], **kwargs: Any) -> Any:
-        """Lightning's ``MixedPrecision`` step with its ``GradScaler``, the inter-node average in the middle.
+    def due(self, finite: bool) -> bool:
+        """Whether the strategy is to average the gradients over the nodes now: finite, and not averaged yet."""
+        return finite and self.reduced is None
 
-        Unscaling comes first, so PowerSGD and its error feedback see true gradients; a step skipped for a
-        non-finite gradient on any rank still goes through ``scaler.step`` and ``scaler.update``, with the
-        overflow recorded on every rank, so the scale backs off (and later grows) alike everywhere, as under ``ddp``.
-        """
+    def update(self, optimizer: Optimizer, result: Any, model: Any, precision: Any, finite: bool, **kwargs: Any) -> Any:
+        """The update on the averaged gradients through the precision plugin, or every rank's skip of it."""
+        with MixedLists():  # the update's foreach calls: plain parameters beside shards (mixed_lists)
+            if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+                return self._scaled_update(precision, optimizer, result, model, finite, **kwargs)
+            if isinstance(precision, UnscalingPrecision):
+                if finite and not self.reduced:
+                    precision.mark_nonfinite()  # the plugin skips the update and backs off, as for its own overflow
+                return precision.optimizer_step(optimizer, model=model, closure=_once(result, optimizer), **kwargs)
+            if not self.reduced:
+                optimizer.zero_grad(set_to_none=True)
+                return result
+            return precision.optimizer_step(optimizer, model=model, closure=_once(result, optimizer), **kwargs)
+
+    def _scaled_update(self, precision: MixedPrecision, optimizer: Optimizer, result: Any, model: Any, finite: bool,
+                       **kwargs: Any) -> Any:
+        """Lightning's ``MixedPrecision`` step with its ``GradScaler``, after :meth:`unscale` and the average.
+
+        A step skipped for a non-finite gradient on any rank still goes through ``scaler.step`` and
+        ``scaler.update``, with the overflow recorded on every rank, so the scale backs off (and later grows) alike
+        everywhere, as under ``ddp``."""
         assert isinstance(model, LightningModule) and precision.scaler is not None
-        if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
+        if not finite:  # no backward ran
             return result
         scaler = precision.scaler
-        scaler.unscale_(optimizer)
-        if not self.take_reduction(reduce):
+        if not self.reduced:
             compat.mark_scaler_overflow(scaler, optimizer)
         compat.after_closure(precision, model, optimizer)  # on_before_optimizer_step and clipping, unscaled
         output = scaler.step(optimizer, **kwargs)
         scaler.update()
         return output
-
-    def take_reduction(self, reduce: Callable[[], bool]) -> bool:
-        """The result of the inter-node average of the last backward's gradients: the one the backward (or an
-        earlier step) ran, or run it now. Once per set of gradients, as ``ddp`` averages once per backward: under
-        manual optimization the steps after one ``manual_backward`` (two optimizers, or one stepped twice) share
-        it, and several ``manual_backward`` before a step are averaged once, summed."""
-        if self.reduced is None:
-            self.reduced = reduce()
-        return self.reduced

@@ -2,13 +2,10 @@
 paper's recipe for a model that does not fit one GPU, on machines joined by slow links.
 
 Processes form a ``("replicate", "shard")`` mesh, nodes x devices per node. Each block is an FSDP2 unit on the
-``"shard"`` axis (the LightningModule's other parameters the root unit, the next blocks prefetched); FSDP2's
-reduce-scatter averages over the node, then each rank averages its shard of every gradient with its replicas on
-the other nodes through PowerSGD, during the backward where it can. A non-finite gradient anywhere skips the update
-on every rank. Checkpoints are one file as ``ddp`` writes it, or sharded DCP directories; after each stage the module
-holds whole plain tensors, as under ``ddp`` (``full_weights_after``). A LightningModule trains as under ``ddp``, or
-is refused in one line. This module is Lightning's hook order, calling the parts the strategy holds; docs/plugins.md
-says which module holds which part.
+``"shard"`` axis; FSDP2's reduce-scatter averages over the node, then PowerSGD averages each gradient shard with its
+replicas on the other nodes, during the backward where it can. A LightningModule trains as under ``ddp``, or is
+refused in one line. This module is Lightning's hook order, calling the parts the strategy holds (each owns its
+state; docs/plugins.md draws a fit's flow through them).
 
 ``Trainer(strategy=ShardedPowerSGDStrategy(devices_per_node=8))``, ``strategy="sharded_powersgd"`` (after ``import
 dalle_lightning_plugins``), or Hydra's ``conf/strategy/sharded_powersgd.yaml``. Two nodes on one machine:
@@ -17,7 +14,6 @@ dalle_lightning_plugins``), or Hydra's ``conf/strategy/sharded_powersgd.yaml``. 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
@@ -37,17 +33,15 @@ from dalle_lightning_plugins import compat
 from dalle_lightning_plugins.strategies import sharded_root, stand_ins
 from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep
 from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
-from dalle_lightning_plugins.strategies.precision_choice import PRECISIONS, check_precision  # noqa: F401 (kept names)
 from dalle_lightning_plugins.dtypes import resolve_dtype
 from dalle_lightning_plugins.compression.exchange import ExchangeError
 from dalle_lightning_plugins.strategies.buffer_sync import BufferBroadcasts
 from dalle_lightning_plugins.strategies.collective_failures import CollectiveFailures
 from dalle_lightning_plugins.strategies.carried import SHARDED_ROOT_ATTR, carried
-from dalle_lightning_plugins.strategies.sharded_root import ShardedRoot
 from dalle_lightning_plugins.compression.inter_node import ExchangePath, InterNodeReduction, replica_divergence
 from dalle_lightning_plugins.strategies.mesh import build_mesh
-from dalle_lightning_plugins.compression.powersgd import DEFAULT_RANK, PowerSGD  # noqa: F401 (kept names)
-from dalle_lightning_plugins.protocol import GroupUnscalingPrecision, resolve_block_class
+from dalle_lightning_plugins.compression.powersgd import PowerSGD
+from dalle_lightning_plugins.protocol import resolve_block_class
 from dalle_lightning_plugins.io.checkpoint_io import PathLike
 from dalle_lightning_plugins.io.strategy_checkpoints import OVERLAP_CHOICE_KEY, Ranks, StrategyCheckpoints
 from dalle_lightning_plugins.strategies.stage_model import ShardedModel
@@ -57,35 +51,28 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 STRATEGY_NAME = "sharded_powersgd"
-CHECKPOINT_FORMATS = ("full", "sharded")
 
 
 class ShardedPowerSGDStrategy(ShardedParallelStrategy):
-    """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring.
-
-    Composed of parts that own their state, each called from the Lightning hook that needs it: ``stage`` (the
-    sharded root, its stand-ins and originals, the blocks), ``whole_weights`` (``full_weights_after`` and the end
-    of a stage), ``inter_node`` (the exchange between nodes), ``averaged_step`` (the optimizer step around it),
-    ``collective_failures`` and ``dtensor_collectives`` (Lightning's collectives, in the base), ``checkpoints`` (what goes to and comes from disk).
+    """FSDP2 within a node, PowerSGD between nodes, sharded DCP checkpoints. See the module docstring. Its parts:
+    ``stage`` (stage_model.py), ``whole_weights``, ``inter_node``, ``averaged_step`` (optimizer_step.py),
+    ``checkpoints`` (io/strategy_checkpoints.py); the base's ``collective_failures`` and ``dtensor_collectives``.
 
     Args:
-        devices_per_node: size of the ``"shard"`` axis; default the trainer's devices per node. The world size
-            must be a multiple of it; nodes = world size // devices_per_node. A world smaller than it (the same
-            code run on one device) is one node of the devices there are, said in one line.
-        block_classes: module classes (or dotted paths) that become FSDP units; with ``block_patterns`` they
-            override the model's ``resblocks()`` declaration.
-        block_patterns: fnmatch patterns on qualified module names that become FSDP units.
+        devices_per_node: the ``"shard"`` axis (default: the trainer's devices per node); nodes = world size //
+            devices_per_node. A smaller world (the same code on one device) is one node, said in one line.
+        block_classes, block_patterns: module classes (or dotted paths) and fnmatch patterns on qualified names
+            that become FSDP units; by default the model's ``resblocks()``, else its ``nn.ModuleList``s' entries.
         reshard_after_forward: free gathered block parameters after forward (re-gather in backward).
-        prefetch_depth: number of blocks gathered ahead in forward and behind in backward (0: FSDP default).
+        prefetch_depth: blocks gathered ahead in forward and behind in backward (0: FSDP's default).
         activation_checkpointing: recompute each block's activations in backward.
         param_dtype / reduce_dtype: FSDP ``MixedPrecisionPolicy`` (``None`` keeps the parameters' dtype).
         powersgd_rank: PowerSGD's rank r per gradient shard; or ``compression``, the share of the compressed
             matrices' fp32 bytes to save (the paper's figure, e.g. 0.86), from which the rank is derived once the
-            model is known. Not both; neither: rank ``DEFAULT_RANK``.
-        overlap: ``True``: start each bucket's inter-node exchange during the backward, as soon as its gradients
-            are ready (averaged over the node first at several devices per node; :mod:`dalle_lightning_plugins.compression.exchange`);
-            ``False``: the whole exchange after the backward; ``"auto"``: time both on the run's first updates and
-            keep the faster (:mod:`dalle_lightning_plugins.compression.path_choice`). The update is the same either way.
+            model is known. Not both; neither: PowerSGD's ``DEFAULT_RANK``.
+        overlap: ``True``: each bucket's inter-node exchange starts in the backward once its gradients are ready
+            (``compression/exchange.py``); ``False``: the whole exchange after the backward; ``"auto"``: time both
+            on the first updates, keep the faster (``compression/path_choice.py``). The same update either way.
         bucket_cap_mb: consecutive resblocks share one overlapped bucket while their parameters fit in this many
             MiB (0: one bucket per resblock).
         start_step, warm_start, error_feedback, comm_dtype, min_compression, seed, eps: passed to
@@ -94,23 +81,18 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
             embeddings and 1-D parameters), e.g. the unembedding.
         process_group_backend: ``None`` picks gloo on CPU, nccl on CUDA.
         timeout: collective timeout of every process group, so a dead peer ends the run instead of hanging it.
-        checkpoint_format: ``"full"`` writes one file as ``ddp`` does (the model gathered on rank 0; for models that
-            fit one process's memory), which ``load_from_checkpoint`` reads; ``"sharded"`` writes a DCP directory,
-            every rank its own shards (for models that do not). Either form, or a ``ddp`` file, resumes a run.
-        full_weights_after: after ``fit``, ``validate``, ``test`` and ``predict`` the module's parameters are plain
-            tensors holding the whole values, as under ``ddp`` (``True``), or stay this rank's DTensor shards
-            (``False``, for models that do not fit one rank's memory); ``"auto"``: whole when the whole model takes
-            at most ``FULL_WEIGHTS_MEMORY_SHARE`` of the memory free to each rank, said in one log line. The next
-            stage or ``fit`` shards them again from what they then hold.
+        checkpoint_format: ``"full"``: one file as ``ddp`` writes it (gathered on rank 0), which
+            ``load_from_checkpoint`` reads; ``"sharded"``: a DCP directory, every rank its own shards (for models
+            that do not fit one process). Either form, or a ``ddp`` file, resumes a run.
+        full_weights_after: after each stage the module holds whole plain tensors, as under ``ddp`` (``True``), or
+            stays this rank's DTensor shards (``False``: models that do not fit one rank); ``"auto"``: whole when
+            the model takes at most ``FULL_WEIGHTS_MEMORY_SHARE`` of each rank's free memory, said in one line.
     """
 
     strategy_name = STRATEGY_NAME
-    # Gradients are averaged (FSDP's reduce-scatter, then PowerSGD's mean), never summed: the precision plugin
-    # reads this to set the paper's M (see ``ResblockScalingPrecision``).
-    gradient_reduction = "mean"
-    # The strategy agrees on non-finite gradients among the ranks that share an update and skips it itself (counted
-    # in ``powersgd.stats.skipped_steps``): a callback that would all-reduce the same decision need not (under
-    # LocalStepsStrategy that all-reduce would cross the slow link on every update).
+    gradient_reduction = "mean"  # averaged, never summed: the precision plugin sets the paper's M from it
+    # Non-finite gradients are agreed on by the ranks sharing an update, which skip it (``powersgd.stats``): a
+    # callback need not all-reduce the decision again (under LocalStepsStrategy, across the slow link each update).
     skips_nonfinite_updates = True
 
     def __init__(
@@ -146,26 +128,20 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         if devices_per_node is not None and (not isinstance(devices_per_node, int) or devices_per_node < 1):
             raise ValueError(f"devices_per_node={devices_per_node!r}, expected a positive integer or None")
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
-        if checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format={checkpoint_format!r}, expected one of {CHECKPOINT_FORMATS}")
         self.checkpoints = StrategyCheckpoints(checkpoint_format)
         self.whole_weights = WholeWeights(full_weights_after, type(self).__name__)
         self.devices_per_node = devices_per_node
-        self.block_classes = [resolve_block_class(c) for c in block_classes or ()]
-        self.block_patterns = list(block_patterns or ())
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch_depth = prefetch_depth
-        self.activation_checkpointing = activation_checkpointing
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype))
         self.inter_node = InterNodeReduction(
             dict(rank=powersgd_rank, start_step=start_step, warm_start=warm_start, error_feedback=error_feedback,
                  comm_dtype=comm_dtype, min_compression=min_compression, seed=seed, eps=eps),
             compression=compression, overlap=overlap, bucket_cap_mb=bucket_cap_mb,
             uncompressed_patterns=uncompressed_patterns)
         self.collective_failures = CollectiveFailures(self.inter_node.failure)  # names the nodes it waited for
-        self.stage = ShardedModel()  # the sharded root, kept across fit -> validate: FSDP2 shards a module only once
+        self.stage = ShardedModel(  # the sharded root, kept across fit -> validate: FSDP2 shards a module only once
+            [resolve_block_class(c) for c in block_classes or ()], block_patterns or (),
+            activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
+            prefetch_depth=prefetch_depth, owner=type(self).__name__,
+            mp_policy=MixedPrecisionPolicy(param_dtype=resolve_dtype(param_dtype), reduce_dtype=resolve_dtype(reduce_dtype)))
         self._synchronised_step = True  # False inside block_backward_sync: a micro-batch that reduces nothing
         self.averaged_step = AveragedStep()
         self.buffer_broadcasts = BufferBroadcasts()  # rank 0's, as ddp's
@@ -176,21 +152,9 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         return self.inter_node.powersgd
 
     @property  # the parts' state under the names callers, tests and benchmarks read on the strategy
-    def _root(self) -> ShardedRoot | None:
-        return self.stage.root
-
-    @property
     def block_names(self) -> list[str]:
         """The names of the blocks the last stage made FSDP units."""
         return self.stage.block_names
-
-    @property
-    def full_weights_after(self) -> bool | str:
-        return self.whole_weights.full_weights_after
-
-    @property
-    def checkpoint_format(self) -> str:
-        return self.checkpoints.format
 
     # ------------------------------------------------------------------ environment and mesh
 
@@ -206,11 +170,9 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, per_node, backend, self._timeout)
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
-        self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, per_node, backend, self._timeout)
-        exchange = self.inter_node.exchange
-        if exchange is not None:  # the overlapped exchange's own groups, this stage's only
-            for group in (exchange.p_group, exchange.q_group):
-                self.until_teardown(functools.partial(dist.destroy_process_group, group))
+        for undo in self.inter_node.setup(self._device_mesh, self.global_rank, self.world_size, per_node, backend,
+                                          self._timeout):
+            self.until_teardown(undo)
         if per_node > 1:  # a module's own torch.distributed.all_reduce on a sharded gradient, as under ddp
             self.until_teardown(self.dtensor_collectives.raw_collectives_for_stage(self._device_mesh))
             self.whole_weights.roll_call.begin(self._device_mesh["shard"].mesh.flatten().tolist())  # after an error
@@ -229,9 +191,12 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         self.buffer_broadcasts.begin_stage()  # its first forward starts from rank 0's buffers, as a fresh ddp's
         shard_size = self.device_mesh["shard"].size()
         if (known := carried(module, SHARDED_ROOT_ATTR)) is not None:  # left sharded by full_weights_after=False
-            self.model = self.stage.reuse(module, known, shard_size, functools.partial(self._prepare, fitting=fitting))
-        else:
-            self.model = self._shard(module, fitting)
+            self.model = self.stage.reuse(module, known, shard_size, self.precision_plugin, fitting)
+        else:  # whole for validate, test and predict on a model that fits whole (full_weights_after), as ddp runs them
+            whole = not fitting and shard_size > 1 and self.whole_weights.whole_stage(
+                module, trainer.state.fn.value, self.root_device, self.num_processes)
+            self.model = self.stage.build(module, self.precision_plugin, self.device_mesh, self.root_device,
+                                          self.world_size, fitting=fitting, whole=whole)
         if fitting and (undo := self.stage.shard_averages(trainer, module)) is not None:
             self.until_teardown(undo)  # Lightning's WeightAveraging: its copy sharded as the module
         if self.model is not module:  # validate/test/predict on the whole module need no inter-node exchange
@@ -244,29 +209,10 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _prepare(self, module: nn.Module, fitting: bool) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
-        """The precision plugin's conversion, the blocks, activation checkpointing: the stage's module and blocks."""
-        module = self.precision_plugin.convert_module(module)
-        blocks = self.stage.find_blocks(module, self.block_classes, self.block_patterns,
-                                        self.device_mesh["shard"].size(), type(self).__name__)
-        if fitting and self.activation_checkpointing:
-            self.stage.checkpoint_blocks(blocks)
-        return module, blocks
-
-    def _shard(self, module: nn.Module, fitting: bool) -> nn.Module:
-        """The stage's model (:meth:`ShardedModel.build`): whole at one device per node, and for validate, test and
-        predict on a model that fits whole (``full_weights_after``), as ``ddp`` runs them; else FSDP2 units."""
-        whole = not fitting and self.device_mesh["shard"].size() > 1 and self.whole_weights.whole_stage(
-            module, module.trainer.state.fn.value, self.root_device, self.num_processes)
-        return self.stage.build(module, functools.partial(self._prepare, fitting=fitting), self.device_mesh,
-                                self.root_device, self.world_size, whole=whole, mp_policy=self.mp_policy,
-                                reshard_after_forward=self.reshard_after_forward, prefetch_depth=self.prefetch_depth)
-
     @contextmanager
     def full_parameters(self) -> Generator[None, None, None]:
-        """Collective: every parameter whole on every rank for the duration (protocol of the callbacks'
-        ``full_parameters``; see :func:`dalle_lightning_plugins.strategies.sharded_root.full_parameters`)."""
-        with sharded_root.full_parameters(self.model, self.reshard_after_forward):
+        """Collective: every parameter whole on every rank for the duration (the callbacks' protocol)."""
+        with sharded_root.full_parameters(self.model, self.stage.reshard_after_forward):
             yield None
 
     # ------------------------------------------------------------------ the step
@@ -283,13 +229,9 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        path = self.inter_node.path(synchronised=self._synchronised_step, module=module,
-                                    precision=self.precision_plugin, every_unit_ran_once=not irregular)
+        path = self.inter_node.begin_backward(synchronised=self._synchronised_step, module=module,
+                                              precision=self.precision_plugin, every_unit_ran_once=not irregular)
         step.begin_backward(start, path is ExchangePath.OVERLAPPED if self._synchronised_step else None)
-        if self.inter_node.exchange is not None:
-            precision = self.precision_plugin
-            unscale = precision.unscale_group if isinstance(precision, GroupUnscalingPrecision) else None
-            self.inter_node.exchange.begin(active=path is ExchangePath.OVERLAPPED, unscale=unscale)
         try:
             with self.stage.shards_read():  # manual_backward inside training_step: FSDP2's hooks meet the shards
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
@@ -298,8 +240,8 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         for p in untouched:
             p.grad = None
         # new gradients: averaged here, or once by the first optimizer step that takes them (AveragedStep)
-        step.end_backward(self.reduce_gradients() if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD)
-                          else None)
+        step.averaged(self.reduce_gradients() if path in (ExchangePath.OVERLAPPED, ExchangePath.AFTER_BACKWARD)
+                      else None)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -307,30 +249,34 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this on non-final micro-batches: no reduce-scatter and no exchange between nodes there,
-        at every ``devices_per_node`` (at one, the model is no FSDP unit, and only the exchange is held back)."""
-        root = self.model
-        sharded = isinstance(root, FSDPModule)
-        if sharded:
-            root.set_requires_gradient_sync(False)
+        """Lightning enters this on non-final micro-batches: no reduce-scatter and no exchange between nodes there
+        (at one device per node the model is no FSDP unit: only the exchange is held back)."""
+        sharded = isinstance(self.model, FSDPModule)
         self._synchronised_step = False
         try:
+            if sharded:
+                self.model.set_requires_gradient_sync(False)
             yield None
         finally:
             if sharded:
-                root.set_requires_gradient_sync(True)
+                self.model.set_requires_gradient_sync(True)
             self._synchronised_step = True
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        # Lightning's step through the precision plugin, with the closure run first so that the average over the
+        # nodes (and the skip decision) sits between the backward and the update (``optimizer_step.py``).
+        start, step, precision, module = time.perf_counter(), self.averaged_step, self.precision_plugin, self.lightning_module
+        model = model or module
         with self.stage.shards_read():  # opt.step() inside training_step (manual optimization) updates the shards
-            output = self.averaged_step.step(optimizer, closure, model, precision=self.precision_plugin,
-                                             module=self.lightning_module, base_step=super().optimizer_step,
-                                             reduce=self.reduce_gradients, **kwargs)
+            result = step.run_closure(closure, module)
+            finite = step.unscale(optimizer, precision, result, model)
+            if step.due(finite):
+                step.averaged(self.reduce_gradients())
+            output = step.update(optimizer, result, model, precision, finite, **kwargs)
         if self.inter_node.exchange is not None:  # overlap="auto": every update's time, for the choice of path
-            self.inter_node.choice.record(time.perf_counter() - start, self.averaged_step.overlapped, self.root_device)
+            self.inter_node.choice.record(time.perf_counter() - start, step.overlapped, self.root_device)
         return output
 
     def reduce_gradients(self) -> bool:
@@ -345,17 +291,13 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # ddp's wrapper runs it only while fitting
             self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step, self._buffer_scope())
         output = super().validation_step(*args, **kwargs)
-        if self.stage.averages_sharded and self.stage.root is not None:
-            # WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root
-            # unit, which a forward without backward leaves gathered, goes back to its shards after each step
-            sharded_root.reshard_all(self.stage.root)
+        self.stage.after_validation_step()
         return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # as ddp's wrapper
         self.buffer_broadcasts.before_forward(self.lightning_module, self._synchronised_step, self._buffer_scope())
-        self.stage.new_step()  # forwards outside training (validation) do not count
+        self.stage.new_step()  # (buffers: as ddp's wrapper) forwards from here count, not validation's
         return super().training_step(*args, **kwargs)
 
     def _buffer_scope(self) -> tuple[dist.ProcessGroup | None, int]:
@@ -370,30 +312,23 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
 
     @override
     def __getstate__(self) -> dict:
-        """``torch.save(trainer)`` after ``fit``, as under ``ddp``: the launcher's child processes (and their locks)
-        are not part of a pickled strategy; the inter-node compressor drops its process groups itself."""
+        """``torch.save(trainer)`` after ``fit``, as under ``ddp``: without the launcher's processes (and locks)."""
         state = super().__getstate__()
         state["_launcher"] = None
         state["stage"] = self.stage.pickled()  # without the stand-ins, whose classes pickle cannot name
         return state
-
-    def _leave_weights_whole(self) -> None:
-        """The module as ``ddp`` leaves it (:meth:`WholeWeights.leave`), and the strategy's model from then on."""
-        if self.lightning_module is None:
-            return
-        # no mesh: setup_environment failed (a bad devices_per_node), nothing was sharded
-        shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()
-        model = self.whole_weights.leave(self.lightning_module, self.stage, shard_size, self.root_device,
-                                         self.num_processes)
-        if model is not None:
-            self.model = model
 
     @override
     def teardown(self) -> None:
         try:
             self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
             self.stage.remove_checkpointing()  # the blocks' own forward again
-            self._leave_weights_whole()
+            if self.lightning_module is not None:  # as ddp leaves it (WholeWeights.leave), the model from then on
+                # no mesh: setup_environment failed (a bad devices_per_node), nothing was sharded
+                shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()
+                model = self.whole_weights.leave(self.lightning_module, self.stage, shard_size, self.root_device,
+                                                 self.num_processes)
+                self.model = self.model if model is None else model
         finally:
             super().teardown()  # the stage's own installs are undone even if the weights could not be made whole
 

@@ -9,9 +9,10 @@ need instead of reading each other's attributes, and so that a pickled strategy 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,16 @@ class ShardedModel:
     """The sharded root (kept across fit -> validate: FSDP2 shards a module only once), its blocks, their names, and
     this stage's activation checkpointing."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_classes: Sequence[type[nn.Module]] = (), block_patterns: Sequence[str] = (), *,
+                 activation_checkpointing: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
+                 reshard_after_forward: bool = True, prefetch_depth: int = 1, owner: str = "") -> None:
+        # how the stage is sharded: the strategy's arguments of the same names; owner names it in what it logs
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={prefetch_depth!r}, expected a non-negative integer")
+        self.block_classes, self.block_patterns = list(block_classes), list(block_patterns)
+        self.activation_checkpointing, self.owner = activation_checkpointing, owner
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
         self.root: ShardedRoot | None = None
         self.blocks: dict[str, nn.Module] = {}
         self.block_names: list[str] = []
@@ -74,13 +84,13 @@ class ShardedModel:
         if self.root is not None and self.root.owner is not module:
             self.root = None
 
-    def find_blocks(self, module: nn.Module, block_classes: Sequence[type[nn.Module]], block_patterns: Sequence[str],
-                    shard_size: int, owner: str) -> list[tuple[str, nn.Module]]:
+    def find_blocks(self, module: nn.Module, shard_size: int) -> list[tuple[str, nn.Module]]:
         """The blocks that become FSDP units (and the overlapped exchange's buckets): the configured classes and
         patterns, else the model's ``resblocks()``; blocks that share weights with the rest of the model are sharded
-        with it, said in one line naming ``owner``."""
-        if block_classes or block_patterns or declares_resblocks(module):
-            blocks = find_resblocks(module, list(block_classes) or None, list(block_patterns) or None)
+        with it, said in one line naming the owner."""
+        owner = self.owner
+        if self.block_classes or self.block_patterns or declares_resblocks(module):
+            blocks = find_resblocks(module, self.block_classes or None, self.block_patterns or None)
         else:
             blocks = default_blocks(module)
             rank_zero_info(f"{owner}: {type(module).__name__} declares no blocks, so "
@@ -109,18 +119,30 @@ class ShardedModel:
         if self.root is not None:
             self.root.units_ran.clear()
 
-    def checkpoint_blocks(self, blocks: list[tuple[str, nn.Module]]) -> None:
-        """Recompute these blocks' activations in backward, for this stage."""
-        assert self.checkpointing is not None
-        self.checkpointing.apply(b for _, b in blocks)
+    def prepare(self, module: nn.Module, precision: Any, shard_size: int,
+                fitting: bool) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
+        """The precision plugin's conversion, the blocks, and (fitting) activation checkpointing on them: the stage's
+        module and blocks. On a sharded node it runs on the stand-ins, between their making and their sharding."""
+        module = precision.convert_module(module)
+        blocks = self.find_blocks(module, shard_size)
+        if fitting and self.activation_checkpointing:
+            assert self.checkpointing is not None
+            self.checkpointing.apply(b for _, b in blocks)
+        return module, blocks
+
+    def after_validation_step(self) -> None:
+        """WeightAveraging swaps the module's parameters with its sharded copy's at the epoch's end: the root unit,
+        which a forward without backward leaves gathered, goes back to its shards after each validation step."""
+        if self.averages_sharded and self.root is not None:
+            reshard_all(self.root)
 
     def remove_checkpointing(self) -> None:
         """The blocks' own forward again (teardown)."""
         if self.checkpointing is not None:
             self.checkpointing.remove()
 
-    def reuse(self, module: nn.Module, known: tuple[ShardedRoot, int], shard_size: int,
-              prepare: Callable[[nn.Module], tuple[nn.Module, list[tuple[str, nn.Module]]]]) -> ShardedRoot:
+    def reuse(self, module: nn.Module, known: tuple[ShardedRoot, int], shard_size: int, precision: Any,
+              fitting: bool) -> ShardedRoot:
         """The root a ``full_weights_after=False`` stage left on ``module`` (this Trainer's or an earlier one's):
         FSDP2 shards a module only once, so its units are reused; they must be on a mesh of the same shape."""
         root, size = known
@@ -129,20 +151,20 @@ class ShardedModel:
                 f"{type(module).__name__} was sharded over {size} devices per node by an earlier Trainer, "
                 f"this one has devices_per_node={shard_size}; build a new model (or keep devices_per_node)"
             )
-        prepare(module)  # the precision plugin's conversion, the blocks, activation checkpointing
+        self.prepare(module, precision, shard_size, fitting)
         reshard_all(root)
         hook_lightning_module(root)
         self.root = root
         return root
 
-    def build(self, module: nn.Module, prepare: Callable[[nn.Module], tuple[nn.Module, list[tuple[str, nn.Module]]]],
-              mesh: DeviceMesh, root_device: torch.device, world_size: int, *, whole: bool,
-              mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool, prefetch_depth: int) -> nn.Module:
+    def build(self, module: nn.Module, precision: Any, mesh: DeviceMesh, root_device: torch.device, world_size: int, *,
+              fitting: bool, whole: bool) -> nn.Module:
         """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node (the
         user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain`);
         the module itself, whole, at one device per node or when ``whole`` (a stage without training on whole
-        weights). ``prepare`` is the precision plugin's conversion, the blocks and activation checkpointing."""
+        weights). ``precision`` converts the module, or its stand-ins (:meth:`prepare`)."""
         shard_size = mesh["shard"].size()
+        prepare = functools.partial(self.prepare, precision=precision, shard_size=shard_size, fitting=fitting)
         if shard_size == 1 or whole:
             # One device per node: nothing to shard within a node. FSDP2 over a group of one would only add
             # copies and DTensor dispatch to every step; the model stays whole and PowerSGD does all the averaging.
@@ -156,8 +178,8 @@ class ShardedModel:
             self.root = ShardedRoot(module, dict(module.named_children()))
             return self.root
         # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
-        root = shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=mp_policy,
-                                           reshard_after_forward=reshard_after_forward, prefetch_depth=prefetch_depth)
+        root = shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=self.mp_policy,
+                               reshard_after_forward=self.reshard_after_forward, prefetch_depth=self.prefetch_depth)
         broadcast_replicas(module, mesh["replicate"], world_size)
         load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
         self.root = root
@@ -197,6 +219,8 @@ class ShardedModel:
     def pickled(self) -> ShardedModel:
         """What a pickled strategy keeps: the block names, without the stand-ins (FSDP2 makes
         their classes per process, which pickle cannot name) or the stage's wrappers."""
-        kept = ShardedModel()
+        kept = ShardedModel(self.block_classes, self.block_patterns, activation_checkpointing=self.activation_checkpointing,
+                            mp_policy=self.mp_policy, reshard_after_forward=self.reshard_after_forward,
+                            prefetch_depth=self.prefetch_depth, owner=self.owner)
         kept.block_names = list(self.block_names)
         return kept
