@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, size: str, row: str, out: Any) -> 
 
     from dalle_lightning.lit.prior import PriorModule
     from dalle_lightning.models.prior import DallePrior
-    from dalle_lightning_plugins.strategies import sharded_powersgd
+    from dalle_lightning_plugins.strategies import whole_weights
     from dalle_lightning_plugins.strategies.sharded_powersgd import ShardedPowerSGDStrategy
 
     torch.manual_seed(0)
@@ -67,20 +67,21 @@ def _worker(rank: int, world: int, port: int, size: str, row: str, out: Any) -> 
     data = [{"text": torch.randint(0, kwargs["text_vocab_size"], (1, kwargs["text_len"]), generator=g)[0],
              "image": torch.randint(0, kwargs["image_vocab_size"], (1, n_image), generator=g)[0]} for _ in range(4)]
     if row == "auto_kept":
-        sharded_powersgd.FULL_WEIGHTS_MEMORY_SHARE = 1e-12  # the model "does not fit": auto keeps the shards
+        whole_weights.FULL_WEIGHTS_MEMORY_SHARE = 1e-12  # the model "does not fit": auto keeps the shards
     strategy = ShardedPowerSGDStrategy(devices_per_node=2, full_weights_after={"whole": True, "kept": False,
                                                                                 "auto_kept": "auto"}[row])
     timing: dict[str, float] = {}
-    leave = strategy._leave_weights_whole
+    leave = strategy.whole_weights.leave  # the end of the stage, timed where the strategy's teardown calls it
 
-    def timed_leave() -> None:
+    def timed_leave(*args: Any, **kwargs: Any) -> Any:
         timing["rss_before_mib"] = _rss_mib()
         start = time.perf_counter()
-        leave()
+        model = leave(*args, **kwargs)
         timing["end_of_stage_s"] = time.perf_counter() - start
         timing["rss_after_mib"] = _rss_mib()
+        return model
 
-    strategy._leave_weights_whole = timed_leave  # type: ignore[method-assign]
+    strategy.whole_weights.leave = timed_leave  # type: ignore[method-assign]
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, precision="32-true")

@@ -64,7 +64,7 @@ def _once(result: Any, optimizer: Optimizer) -> Callable[[], Any]:
 
 class AveragedStep:
     """``optimizer_step`` with the inter-node average and the skip of a non-finite update (see the module), in
-    three calls the strategy makes in order: :meth:`run_closure`, :meth:`unscale`, then (the average run by the
+    the calls the strategy makes in order: :meth:`run_closure`, :meth:`unscale`, then (the average run by the
     strategy where :meth:`due`, its result given back with :meth:`averaged`) :meth:`update`.
 
     It owns the step's flags, which the strategy's ``backward`` reports (:meth:`begin_backward`, :meth:`averaged`):
@@ -103,16 +103,17 @@ class AveragedStep:
         """Unscale the gradients the precision plugin scaled, so PowerSGD and its error feedback see true values;
         False where no average is to run: no backward ran, or a plugin that unscales per group found a non-finite
         gradient (it skips the update and backs off that block itself)."""
-        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-            if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
-                return False
-            precision.scaler.unscale_(optimizer)
+        with MixedLists():  # its foreach calls, as the update's
+            if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+                if result is None and model.automatic_optimization:  # training_step returned None: no backward ran
+                    return False
+                precision.scaler.unscale_(optimizer)
+                return True
+            if isinstance(precision, UnscalingPrecision):
+                # Per-block loss scales (``ResblockScalingPrecision``): non-finite flags are agreed on every rank,
+                # so either all ranks run PowerSGD's collectives or none does.
+                return precision.unscale_and_flag(optimizer)
             return True
-        if isinstance(precision, UnscalingPrecision):
-            # Per-block loss scales (``ResblockScalingPrecision``): non-finite flags are agreed on every rank, so
-            # either all ranks run PowerSGD's collectives or none does.
-            return precision.unscale_and_flag(optimizer)
-        return True
 
     def due(self, finite: bool) -> bool:
         """Whether the strategy is to average the gradients over the nodes now: finite, and not averaged yet."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -269,6 +270,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         # nodes (and the skip decision) sits between the backward and the update (``optimizer_step.py``).
         start, step, precision, module = time.perf_counter(), self.averaged_step, self.precision_plugin, self.lightning_module
         model = model or module
+        assert isinstance(model, LightningModule)  # as Lightning's Strategy.optimizer_step
         with self.stage.shards_read():  # opt.step() inside training_step (manual optimization) updates the shards
             result = step.run_closure(closure, module)
             finite = step.unscale(optimizer, precision, result, model)
@@ -324,8 +326,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
             self.inter_node.detach()  # a later fit (or Trainer) attaches again to the model it then has
             self.stage.remove_checkpointing()  # the blocks' own forward again
             if self.lightning_module is not None:  # as ddp leaves it (WholeWeights.leave), the model from then on
-                # no mesh: setup_environment failed (a bad devices_per_node), nothing was sharded
-                shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()
+                shard_size = 1 if self._device_mesh is None else self.device_mesh["shard"].size()  # None: unsharded
                 model = self.whole_weights.leave(self.lightning_module, self.stage, shard_size, self.root_device,
                                                  self.num_processes)
                 self.model = self.model if model is None else model
@@ -387,8 +388,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         return loaded
 
     def exchange_figures(self) -> dict[str, float]:
-        """The last fit's gradient exchange, for a run's report: bytes this rank sent between nodes in the last step
-        against the uncompressed gradient, and the exchange's wall time per step (the share that is communication)."""
+        """The last fit's exchange for a run's report: bytes sent between nodes per step against uncompressed, time."""
         return dict(self.inter_node.figures)
 
 
