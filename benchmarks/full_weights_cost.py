@@ -7,7 +7,7 @@ gathered into a whole plain one on each rank (as ``ddp`` leaves a module), with 
 all-reduce of a flag); the threshold is lowered for that row (``FULL_WEIGHTS_MEMORY_SHARE``), since a model that
 really exceeds half of this machine's memory per rank would not train on 2 CPU cores in minutes.
 
-Per row and rank: seconds spent in the stage end (``_leave_weights_whole``), the process's resident memory just
+Per row and rank: seconds spent in the stage end (``WholeWeights.leave``, from the strategy's teardown), the process's resident memory just
 before and after it, and its peak resident memory (``ru_maxrss``) over the whole run. Sizes: the demo's prior
 (``conf/model/prior_shapes.yaml`` at the demo's vocabularies) and a 150M-parameter one (width 1024, 12 layers).
 
