@@ -9,6 +9,7 @@ need instead of reading each other's attributes, and so that a pickled strategy 
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -217,10 +218,9 @@ class ShardedModel:
             yield None
 
     def pickled(self) -> ShardedModel:
-        """What a pickled strategy keeps: the block names, without the stand-ins (FSDP2 makes
+        """What a pickled strategy keeps: the options and the block names, without the stand-ins (FSDP2 makes
         their classes per process, which pickle cannot name) or the stage's wrappers."""
-        kept = ShardedModel(self.block_classes, self.block_patterns, activation_checkpointing=self.activation_checkpointing,
-                            mp_policy=self.mp_policy, reshard_after_forward=self.reshard_after_forward,
-                            prefetch_depth=self.prefetch_depth, owner=self.owner)
+        kept = copy.copy(self)  # the options, whichever they are; then the per-process state, as a fresh stage's
+        kept.root, kept.blocks, kept.checkpointing, kept.averages_sharded, kept.backwards = None, {}, None, False, 0
         kept.block_names = list(self.block_names)
         return kept
