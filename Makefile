@@ -17,17 +17,18 @@ OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_TORCH_SPEC ?= torch==2.9.1 torchvision==0.24.1
 # Every private name on this torch (test_lightning_internals), each compat shim against torch's own API
 # (test_compat), the strategy against ddp and by hand where FSDP2's internals differ between releases
-# (test_strategy_exact, test_strategy_like_ddp: whole weights after fit; test_dtensor_collectives; the stand-ins made
-# on the meta device: test_module_patterns, test_stand_ins, test_module_after_stage; compiled stand-ins and the roll
-# call after an error, which read dynamo's and torch.distributed's private parts), and the model,
+# (test_strategy_exact, test_strategy_like_ddp: whole weights after fit; test_dtensor_collectives; the children
+# sharded in place and given back plain through FSDP2's private parts: test_module_patterns, test_in_place,
+# test_module_after_stage; compiled regions around the units and the roll call after an error, which read dynamo's
+# and torch.distributed's private parts), and the model,
 # compile and precision-plugin tests that are fast. test_dtensor_collectives first: it forks the pytest process,
 # which fails once autograd has run in it.
 OLDEST_TESTS ?= tests/test_dtensor_collectives.py tests/test_lightning_internals.py tests/test_compat.py \
 	tests/test_strategy_exact.py tests/test_strategy_like_ddp.py tests/test_resblock_precision.py \
 	tests/test_scale_rules.py tests/test_prior.py tests/test_sparse_attention.py tests/test_dvae.py \
 	tests/test_compiled_models.py tests/test_flex_recompiles.py tests/test_boundary_kernels.py \
-	tests/test_module_patterns.py tests/test_stand_ins.py tests/test_module_after_stage.py \
-	tests/test_compiled_stand_ins.py tests/test_roll_call.py
+	tests/test_module_patterns.py tests/test_in_place.py tests/test_module_after_stage.py \
+	tests/test_compiled_in_place.py tests/test_roll_call.py
 
 .PHONY: demo test test-fast test-oldest ci install install-test install-oldest bench dist clean
 

@@ -560,3 +560,40 @@ def test_local_tensor_is_to_local_s_storage_or_falls_back_to_it() -> None:
         assert torch.equal(local, whole)
         plain = torch.ones(2)
         assert compat.local_tensor(_NoLocalAttribute(plain)) is plain
+
+
+def test_undo_fully_shard_leaves_the_module_as_built_and_redo_shards_it_again() -> None:
+    """What ``fully_shard`` puts on a module (class, forward hooks, state-dict hooks, ``__dict__`` entries, the state
+    registry) is gone after ``undo_fully_shard``, and ``redo`` puts all of it back: the unit then trains and
+    saves a state dict as before (a checkpoint saved after a stage)."""
+    from torch.distributed import _composable_state
+
+    def marks(m: nn.Module) -> tuple:
+        hooks = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks", "_state_dict_hooks")
+        return type(m), sorted(vars(m)), [len(getattr(m, h)) for h in hooks]
+
+    with group_of_one():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+        built = {name: marks(m) for name, m in net.named_modules()}
+        classes = {name: type(m) for name, m in net.named_modules()}
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        net(torch.randn(4, 2)).sum().backward()  # lazy init: the parameter groups' state-dict hooks are registered
+        sharded = {name: marks(m) for name, m in net.named_modules()}
+        params = {n: p for n, p in net.named_parameters()}
+        plain = {n: nn.Parameter(p.full_tensor().detach().clone()) for n, p in params.items()}
+        for name, p in plain.items():  # the user's own parameters back, as InPlace does
+            owner, _, leaf = name.rpartition(".")
+            net.get_submodule(owner)._parameters[leaf] = p
+        redo = [compat.undo_fully_shard(m, classes[n]) for n, m in net.named_modules()]
+        assert {name: marks(m) for name, m in net.named_modules()} == built
+        assert net not in _composable_state._module_state_mapping and not isinstance(net, FSDPModule)
+        for name, p in params.items():
+            owner, _, leaf = name.rpartition(".")
+            net.get_submodule(owner)._parameters[leaf] = p
+        for undo in redo:
+            undo()
+        assert {name: marks(m) for name, m in net.named_modules()} == sharded
+        net(torch.randn(4, 2)).sum().backward()
+        assert sorted(net.state_dict()) == sorted(plain)

@@ -163,11 +163,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "DDPStrategy": ("_timeout",),
     # compat.recomputation_stop_errors (dalle_lightning_plugins.fast_paths): checkpointing's early stop is control flow.
     "torch.utils.checkpoint": ("_StopRecomputationError",),
-    # compat.compiled_call and compat.compile_call (dalle_lightning_plugins.strategies.compiled_stand_ins): a
-    # stand-in of a module compiled with Module.compile() is compiled again, with the user's configuration.
+    # compat.compiled_call and compiled_in_place's regions (dalle_lightning_plugins.strategies.compiled_in_place): a module
+    # compiled with Module.compile() is compiled around FSDP2's units for a stage, with the user's configuration.
     "Module": ("_compiled_call_impl", "_call_impl"),
     # compat.tensor_hook_count (dalle_lightning_plugins.strategies.sharding): a child's parameter with a gradient hook
-    # is refused at a sharded stage, whose stand-ins would train without it.
+    # is refused at a sharded stage, where FSDP2's parameter in its place would train without it.
     "Parameter": ("_backward_hooks", "_post_accumulate_grad_hooks"),
     # compat.set_group_timeout (dalle_lightning_plugins.strategies.mesh): the gloo groups' collective timeout.
     "ProcessGroupGloo._Options": ("_timeout",),
@@ -199,15 +199,19 @@ def test_private_name_exists(owner: str, name: str) -> None:
         value = getattr(value, part)
 
 
-# FSDP2's instance attributes the plugins read or set (the ``reduce_scatter_unused_params`` fallback and the
-# root's pre-backward hook of dalle_lightning_plugins.compat; whole weights after a stage use public APIs only),
+# FSDP2's instance attributes the plugins read or set (the ``reduce_scatter_unused_params`` fallback, the root's
+# pre-backward hook and ``undo_fully_shard``, which gives the user's module back plain after a stage, of
+# dalle_lightning_plugins.compat),
 # checked on a real unit, on every tested torch. Dotted names are checked part by part. The parameter groups' own attribute moved in 2.13
 # (``_fsdp_param_group`` -> ``_fsdp_param_groups``): compat.fsdp_param_groups reads either, and
 # test_fsdp2_parameter_groups_are_found checks that the one of the installed release exists.
 FSDP2_INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
-    "FSDPState": ("_register_pre_backward_hook",),
-    "FSDPParamGroup": ("fsdp_params", "post_backward", "reduce_grads"),
-    "FSDPParam": ("unsharded_accumulated_grad", "_unsharded_param", "unsharded_param"),
+    "FSDPState": ("_register_pre_backward_hook", "_pre_forward_hook_handle", "_post_forward_hook_handle",
+                  "_pre_forward", "_post_forward"),
+    "FSDPParamGroup": ("fsdp_params", "post_backward", "reduce_grads", "_module_to_pre_save_state_dict_hook_handle",
+                       "_module_to_pre_load_state_dict_hook_handle", "_register_state_dict_hooks"),
+    "FSDPParam": ("unsharded_accumulated_grad", "_unsharded_param", "unsharded_param", "_post_load_hook_handle",
+                  "reset_sharded_param", "_module_info.module"),
     # compat.local_tensor (the hook guard of dalle_lightning_plugins.strategies.shard_reads): a sharded parameter's
     # local tensor without to_local()'s autograd function.
     "DTensor": ("_local_tensor",),

@@ -13,9 +13,10 @@ A stranger's residual model (``tests/helpers/stranger_residual.py``) on 2 gloo p
   timed-out group is left broken);
 * ``test`` on whole weights starts every rank from rank 0's parameters (ranks seeded apart), as ``ddp``'s wrapper;
 * parameter groups built in ``__init__`` from the children train as under ``ddp``;
-* a forward through a child referenced before the stage (a closure over ``self.blocks[0]``) and a parameter the
-  module registers and a child holds (``self.head_w = self.out.weight``) are refused in one line, and so is a
-  gradient hook on a child's parameter (``p.register_hook``), which the sharded stand-ins would train without.
+* a forward through a child referenced before the stage (a closure over ``self.blocks[0]``) trains as under
+  ``ddp``; a parameter the module registers and a child holds (``self.head_w = self.out.weight``) is refused in one
+  line, and so is a gradient hook on a child's parameter (``p.register_hook``), which FSDP2's parameter in its
+  place would train without.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ class GroupsInInit(Residual):
 
 
 class Taps(Residual):
-    """A child reached through a closure made before the stage (a plain list attribute is refused at setup:
-    tests/test_module_patterns.py); no scan sees it, the forward guard does."""
+    """A child reached through a closure made before the stage: the user's own child, which the stage shards in place,
+    so the closure runs it as under ``ddp``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,8 +238,10 @@ def _worker(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
         module = GroupsInInit()
         stage_trainer(layout).fit(module, stage_loader(rank))
         out[("groups", layout)] = _weights(module)
-    out["taps"] = _refused("dpn2", rank, Taps)
-    dist.barrier()  # a refused fit leaves the ranks where they were: both start the next one together
+        torch.manual_seed(0)
+        module = Taps()
+        stage_trainer(layout).fit(module, stage_loader(rank))
+        out[("taps", layout)] = _weights(module)
     out["tied"] = _refused("dpn2", rank, TiedOnModule)
     dist.barrier()
     out["grad_hook"] = _refused("dpn2", rank, GradHooked)
@@ -319,9 +322,9 @@ def test_parameter_groups_built_in_init_train_as_ddp(results: list[dict[str, Any
         _assert_same(rank_out[("groups", "dpn2")], rank_out[("groups", "ddp")])
 
 
-def test_a_forward_through_a_child_taken_before_the_stage_is_refused_in_one_line(results: list[dict[str, Any]]) -> None:
+def test_a_forward_through_a_child_taken_before_the_stage_trains_as_ddp(results: list[dict[str, Any]]) -> None:
     for rank_out in results:
-        assert rank_out["taps"].startswith("forward of the user's blocks.0 during a sharded stage"), rank_out["taps"]
+        _assert_same(rank_out[("taps", "dpn2")], rank_out[("taps", "ddp")])
 
 
 def test_a_parameter_on_the_module_tied_to_a_childs_is_refused_in_one_line(results: list[dict[str, Any]]) -> None:
@@ -330,6 +333,6 @@ def test_a_parameter_on_the_module_tied_to_a_childs_is_refused_in_one_line(resul
 
 
 def test_a_gradient_hook_on_a_childs_parameter_is_refused_in_one_line(results: list[dict[str, Any]]) -> None:
-    for rank_out in results:  # ddp runs it; the stand-ins would train without it
+    for rank_out in results:  # ddp runs it; FSDP2's own parameter objects would train without it
         assert rank_out["grad_hook"].startswith("ShardedPowerSGDStrategy(devices_per_node=2): out.weight has a "
                                                 "gradient hook"), rank_out["grad_hook"]

@@ -2,20 +2,20 @@
 ``ShardedPowerSGDStrategy(devices_per_node=2)``, or is refused in one line before anything trains.
 
 The patterns (``tests/helpers/lightning_patterns.py``) are those a Lightning user brings along: parameter groups
-built in ``__init__`` or in ``configure_optimizers``, a parameter of the module tied to a child's, weights tied
-across children, a shared child, a list attribute holding a child, a frozen child, a child with buffers only, a
-parameter of the module itself, ``configure_model``, a model built under ``init_module(empty_init=True)``, gradient
-accumulation, manual optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a
-sparse embedding (refused), modules that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code
-reading a unit's weight outside the unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made
-in ``__init__``, a head tied through ``F.linear``, ``MultiheadAttention``'s ``out_proj``), and hooks reading
-weights or gradients (refused in one line on a host read of a shard, ``ddp``'s values through ``.full_tensor()``),
-and one Trainer fitting a batch-norm module twice. Each is fitted on 2 gloo processes under ``ddp`` (the reference)
-and under the strategy, in one launch (start-up is the expensive part), from the same seed and data, with
-validation during the fit. Compared on every rank after the stage: every parameter and buffer (value, dtype,
-device), the parameter objects themselves (the user's own, by identity, under their names), and ``trainer.model is
-module``.
-A refusal must be one line, raised on every rank before any weight moved.
+built in ``__init__`` or in ``configure_optimizers`` (or by a mark on the parameters), a parameter of the module
+tied to a child's, weights tied across children, a shared child, a list attribute holding a child, a frozen child, a
+child with buffers only, a child with state of its own (a counter, a list, a lock), a parameter of the module
+itself, ``configure_model``, a model built under ``init_module(empty_init=True)``, gradient accumulation, manual
+optimization, a compiled child, LBFGS (refused at setup: it re-evaluates its closure), a sparse embedding (refused),
+modules that declare no blocks (an ``nn.ModuleList`` of blocks, and none), and code reading a unit's weight outside
+the unit's ``forward`` (a penalty in ``training_step``, a penalty over a list made in ``__init__``, a head tied
+through ``F.linear``, ``MultiheadAttention``'s ``out_proj``), and hooks reading weights or gradients (refused in one
+line on a host read of a shard, ``ddp``'s values through ``.full_tensor()``), and one Trainer fitting a batch-norm
+module twice. Each is fitted on 2 gloo processes under ``ddp`` (the reference) and under the strategy, in one launch
+(start-up is the expensive part), from the same seed and data, with validation during the fit. Compared on every
+rank after the stage: every parameter and buffer (value, dtype, device), the parameter objects themselves (the
+user's own, by identity, under their names), and ``trainer.model is module``. A refusal must be one line, raised on
+every rank before any weight moved.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ LAYOUTS = ("ddp", "dpn2")
 DATA = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)),
                      torch.randn(32, 1, generator=torch.Generator().manual_seed(2)))
 CASES = [*PATTERNS, "init_module_empty"]
-# What each pattern does under the strategy: "trained" (as ddp), or "refused" (one line, nothing trained). The
-# refused two reach a tensor the stand-ins do not hold during a sharded stage: a Parameter the LightningModule
-# registers itself that is also a child's (it would stay whole beside the child's shards), and a child reached
-# through a plain list attribute (the user's own child, whose storage the stage holds as shards).
+# What each pattern does under the strategy: "trained" (as ddp), or "refused" (one line, nothing trained). A Parameter
+# the LightningModule registers itself that is also a child's is refused: FSDP2 would shard the child's and leave the
+# module's whole beside it. A child reached through a plain list attribute, and a child's own non-tensor state (a
+# counter, a list, a lock), train as under ddp: FSDP2 shards the user's own children in place.
 # LBFGS re-evaluates its closure and reads whole gradients, and FSDP2 cannot shard a sparse gradient: refused at setup.
 # A hook computing on the host with a shard (Lightning's grad_norm in on_before_optimizer_step, a weight's norm in
 # on_train_batch_end) is refused in one line naming the gradient or weight; through .full_tensor() it sees ddp's.
-EXPECTED: dict[str, str] = {"tied_attribute": "refused", "taps_list": "refused", "line_search": "refused",
+EXPECTED: dict[str, str] = {"tied_attribute": "refused", "line_search": "refused",
                             "sparse_embedding": "refused", "grad_norm_logged": "refused",
                             "weight_norm_logged": "refused"}
 # What a refusal names, where the test pins it.
@@ -164,7 +164,7 @@ def test_pattern_trains_as_ddp_or_is_refused_in_one_line(results: list[dict[str,
             moved = [n for n, v in ddp["after"]["values"].items() if not torch.equal(v, ddp["before"]["values"][n])]
             assert moved, "the reference trained nothing"
         assert ours["model_is_module"] and ddp["model_is_module"]
-        if ddp["seen"] is not None:  # gradients or weights read whole in a hook: ddp's
+        if ddp["seen"] is not None:  # gradients or weights read whole in a hook, a child's own state: ddp's
             torch.testing.assert_close(torch.tensor(ours["seen"]), torch.tensor(ddp["seen"]), atol=2e-6, rtol=0)
         if case == "compiled_child":  # each child's graphs compiled during the fit, in ours as in ddp's, unsaid
             assert all(ours["compiled"].values()) and all(ddp["compiled"].values()), (rank, ours, ddp)

@@ -1,5 +1,5 @@
 """After a stage, the per-resblock precision plugin holds its scales and settings, not the stage's modules: under the
-sharding strategy those are FSDP2's stand-ins, whose per-process classes pickle cannot name, so ``torch.save(trainer)``
+sharding strategy those are FSDP2's units, whose per-process classes pickle cannot name, so ``torch.save(trainer)``
 after ``fit`` failed there while it worked under ``ddp``. Both strategies here, on a stranger's residual model."""
 
 from __future__ import annotations

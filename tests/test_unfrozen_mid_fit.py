@@ -17,7 +17,7 @@ The strategy runs at 2 nodes x 2 devices with PowerSGD at full rank (the average
 1e-4 of ``ddp``'s on every rank, every rank equal bit for bit (as ``ddp``'s are), and the user's own parameters
 (the same objects as before the fit) with ``requires_grad=True`` after it; the latter on one node of 4 too.
 The two parts of the fix, in one process: the overlapped exchange buckets a parameter unfrozen since it attached,
-and a stand-in's ``requires_grad`` goes back to the user's parameter with its values.
+and the ``requires_grad`` of FSDP2's parameter goes back to the user's parameter with its values.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 
 from dalle_lightning_plugins.compression.exchange import OverlappedExchange
-from dalle_lightning_plugins.strategies import stand_ins
+from dalle_lightning_plugins.strategies import in_place
 from tests.helpers.distributed import run_distributed
 from tests.test_strategy_common import (VOCAB, WIDTH, Branch, external_launch_env, layout_strategy, loader, loss_fn,
                                         token_dataset, trainer)
@@ -162,23 +162,23 @@ def test_the_overlapped_exchange_buckets_a_parameter_unfrozen_since_it_attached(
     assert not exchange.buckets
 
 
-def test_a_stand_in_unfrozen_in_the_stage_gives_the_users_parameter_back_unfrozen() -> None:
+def test_a_parameter_unfrozen_in_the_stage_gives_the_users_parameter_back_unfrozen() -> None:
     module = Finetuned(hand=True)
     own = module.backbone[0].fc1.weight
-    originals = stand_ins.make_stand_ins(module)
-    root = nn.Module()
-    for name in originals:
-        root.add_module(name, getattr(module, name))
-    for tensor in {id(t): t for t in root.parameters()}.values():
-        stand_ins.assign(tensor, torch.zeros_like(tensor, device="cpu"))
-    object.__setattr__(root, "originals", originals)
-    released = stand_ins.release(originals)
-    root.backbone.requires_grad_(True)  # BackboneFinetuning during the stage: on the stand-ins
-    root.head.requires_grad_(False)
-    stand_ins.put_back(module, originals)
-    stand_ins.give_back(root, released, torch.device("cpu"))
+    kept = in_place.InPlace(in_place.children_with_tensors(module))
+    for k in kept.kept.values():  # what fully_shard does: its own parameter objects in the user's modules' place
+        for m, name in k.owners:
+            m._parameters[name] = nn.Parameter(torch.zeros_like(k.tensor), requires_grad=k.tensor.requires_grad)
+    kept.release(list(kept.kept))
+    module.backbone.requires_grad_(True)  # BackboneFinetuning during the stage: on FSDP2's parameters
+    module.head.requires_grad_(False)
+    kept.to_plain(torch.device("cpu"))
     assert module.backbone[0].fc1.weight is own and own.requires_grad and not torch.count_nonzero(own)
     assert all(p.requires_grad for p in module.backbone.parameters())
     assert not any(p.requires_grad for p in module.head.parameters())
-    root.embed.requires_grad_(False)  # after an error, each rank alone: the same
-    assert not stand_ins.restore_locally(root, {}, torch.device("cpu")) and not module.embed.weight.requires_grad
+    kept = in_place.InPlace(in_place.children_with_tensors(module))  # after an error, each rank alone: the same
+    for k in kept.kept.values():
+        for m, name in k.owners:
+            m._parameters[name] = nn.Parameter(k.tensor.detach().clone(), requires_grad=k.tensor.requires_grad)
+    module.embed.requires_grad_(False)
+    assert not kept.restore_locally(torch.device("cpu")) and not module.embed.weight.requires_grad

@@ -39,7 +39,6 @@ __all__ = [
     "amp_unscale_and_check",
     "attached_trainer",
     "averaged_model",
-    "compile_call",
     "compile_config",
     "compiled_call",
     "default_store",
@@ -65,6 +64,7 @@ __all__ = [
     "tensor_hook_count",
     "torch_version",
     "tree_map",
+    "undo_fully_shard",
 ]
 
 
@@ -264,8 +264,8 @@ def recomputation_stop_errors() -> tuple[type[BaseException], ...]:
 
 def compiled_call(module: nn.Module) -> Any:
     """The compiled call ``module.compile(...)`` set (``nn.Module._compiled_call_impl``), or None: none set, or a
-    compile with ``disable=True`` (the module's own call, eager). A deep copy drops it (``nn.Module.__getstate__``),
-    so a stand-in of a compiled module is compiled again (:func:`compile_config`)."""
+    compile with ``disable=True`` (the module's own call, eager). A sharded stage sets it aside and compiles around
+    FSDP2's units with the same configuration (:func:`compile_config`), whose hooks dynamo does not trace."""
     call = getattr(module, "_compiled_call_impl", None)
     return None if getattr(call, "__self__", None) is module else call
 
@@ -275,8 +275,8 @@ def compile_config(module: nn.Module) -> Any:
     ``mode``, ``options`` in one object, dynamo's ``_TorchDynamoContext``), or None where the module is not compiled
     or this torch does not show it. torch has no public way to read a compile's arguments back; the wrapper
     ``torch.compile`` returns holds the context in its closure, as ``self``. Applied to a callable
-    (:func:`compile_call`, or a module's ``forward``) it compiles it as ``module.compile(...)`` compiled
-    ``module``'s call."""
+    (a module's ``_call_impl`` or ``forward``) it compiles it as ``module.compile(...)`` compiled ``module``'s
+    call."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
     compiled = compiled_call(module)
@@ -290,15 +290,9 @@ def compile_config(module: nn.Module) -> Any:
     return context if own_call and isinstance(context, _TorchDynamoContext) else None
 
 
-def compile_call(module: nn.Module, config: Any) -> None:
-    """Compile ``module``'s call (hooks and ``forward``) with ``config`` (:func:`compile_config` of another module),
-    as ``Module.compile`` does: ``nn.Module.__call__`` runs ``_compiled_call_impl`` where one is set."""
-    module._compiled_call_impl = config(module._call_impl)
-
-
 def set_module_device(module: Any, device: Any) -> None:
     """What ``LightningModule.device`` returns (``DeviceDtypeModuleMixin._device``, set by its ``to``): the stage's
-    root device while the module's children are sharded stand-ins that ``to`` cannot move whole."""
+    root device while the module's children are sharded in place, which ``to`` cannot move whole."""
     module._device = device
 
 
@@ -361,7 +355,7 @@ def default_store() -> Any:
 def tensor_hook_count(tensor: Any) -> int:
     """How many gradient hooks a user put on ``tensor`` (``Tensor.register_hook``: ``_backward_hooks``;
     ``register_post_accumulate_grad_hook``: ``_post_accumulate_grad_hooks``); torch shows neither publicly. A
-    sharded stage refuses a child's parameter that has any: its stand-in would train without them."""
+    sharded stage refuses a child's parameter that has any: FSDP2's parameter in its place would train without them."""
     hooks = [getattr(tensor, "_backward_hooks", None), getattr(tensor, "_post_accumulate_grad_hooks", None)]
     return sum(len(h) for h in hooks if h)
 
@@ -380,3 +374,68 @@ def top_function_mode() -> Any:
 
     stack = _get_current_function_mode_stack()
     return stack[-1] if stack else None
+
+
+def undo_fully_shard(module: nn.Module, cls: type) -> Any:
+    """``fully_shard``'s marks taken off ``module`` (an FSDP2 unit, or a module one manages), so that a user's module is
+    plain again: its class back to ``cls`` (the one it had before ``fully_shard``), FSDP2's forward pre/post hooks
+    removed, the state-dict hooks its unit put on the modules owning its parameters removed, and the entries
+    ``fully_shard`` put in its ``__dict__`` removed. Its parameters are the caller's (the user's own objects, set
+    back beforehand). Returns a function putting all of it back (a checkpoint saved after the stage shards the module
+    again; no collective).
+
+    Relies on torch internals (2.14): ``torch.distributed._composable.contract``'s ``STATE_KEY`` and ``REGISTRY_KEY``
+    (``module.__dict__`` entries holding the ``fully_shard`` state and its registry),
+    ``torch.distributed._composable_state._module_state_mapping`` (module -> weakref of its ``FSDPState``),
+    ``FSDPState._pre_forward_hook_handle``/``_post_forward_hook_handle`` and its ``_pre_forward``/``_post_forward``
+    (registered as ``FSDPState.init`` does), ``FSDPParam._post_load_hook_handle`` and ``reset_sharded_param`` (a
+    load-state-dict post-hook per parameter), ``FSDPParamGroup._module_to_pre_save_state_dict_hook_handle``/
+    ``_module_to_pre_load_state_dict_hook_handle`` and ``_register_state_dict_hooks`` (registered at lazy init), and
+    the ``_is_fsdp_managed_module``/``_fsdp_use_orig_params`` flags ``fully_shard`` sets on each managed module."""
+    import weakref
+
+    from torch.distributed import _composable_state
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+
+    flags = {k: module.__dict__.pop(k) for k in ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+             if k in module.__dict__}
+    saved = {k: module.__dict__.pop(k) for k in (STATE_KEY, REGISTRY_KEY) if k in module.__dict__}
+    sharded_cls = type(module)
+    state = _composable_state._module_state_mapping.pop(module, None) if isinstance(module, FSDPModule) else None
+    state = state() if state is not None else None
+    groups = fsdp_param_groups(state) if state is not None else []
+    state_dict_hooks = [bool(g._module_to_pre_save_state_dict_hook_handle) for g in groups]
+    if state is not None:
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            fsdp_param._post_load_hook_handle.remove()
+        for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                        group._module_to_pre_load_state_dict_hook_handle):
+            for handle in handles.values():
+                handle.remove()
+            handles.clear()
+    module.__class__ = cls
+
+    def redo() -> None:
+        module.__dict__.update(flags)
+        module.__dict__.update(saved)
+        module.__class__ = sharded_cls
+        if state is not None:
+            _composable_state._module_state_mapping[module] = weakref.ref(state)
+            state._pre_forward_hook_handle = module.register_forward_pre_hook(state._pre_forward, prepend=True,
+                                                                              with_kwargs=True)
+            state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
+        for group, hooked in zip(groups, state_dict_hooks):
+            for fsdp_param in group.fsdp_params:
+                fsdp_param._post_load_hook_handle = fsdp_param._module_info.module.register_load_state_dict_post_hook(
+                    functools.partial(_reset_sharded_param, fsdp_param))
+            if hooked:
+                group._register_state_dict_hooks()
+
+    return redo
+
+
+def _reset_sharded_param(fsdp_param: Any, *_: Any, **__: Any) -> None:
+    fsdp_param.reset_sharded_param()

@@ -7,7 +7,9 @@ Each is small (a few thousand parameters, widths that split unevenly over 2 rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any
 
 import lightning.pytorch as L
@@ -70,6 +72,23 @@ class GroupsInConfigure(Base):
                                  lr=0.01)
 
 
+class GroupsByMark(Base):
+    """Parameters marked in ``__init__`` (``p.no_decay = True``, as nanoGPT-style recipes tag them), split into
+    weight-decay groups by the mark in ``configure_optimizers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, p in self.named_parameters():
+            if name.endswith("bias") or name.startswith("body.1"):
+                p.no_decay = True
+
+    def configure_optimizers(self) -> Any:
+        marked = [p for p in self.parameters() if getattr(p, "no_decay", False)]
+        rest = [p for p in self.parameters() if not getattr(p, "no_decay", False)]
+        return torch.optim.AdamW([{"params": rest, "weight_decay": 0.5}, {"params": marked, "weight_decay": 0.0}],
+                                 lr=0.01)
+
+
 class TiedAttribute(Base):
     """The module's own name for a child's parameter, used in ``forward``: ``self.head_w = self.inp.weight``
     registers the same Parameter on the LightningModule."""
@@ -116,6 +135,48 @@ class TapsList(Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         return self.head(self.body(h) + 0.5 * self.taps[0](h))
+
+
+class _Counting(nn.Module):
+    """A block with state of its own besides tensors: a lock (which no deep copy can take), and the forwards it ran
+    and a history list, which a callback or the step changes during the fit as users count things on a module."""
+
+    def __init__(self, lock: bool = True) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.lock = threading.Lock() if lock else contextlib.nullcontext()
+        self.calls = 0
+        self.history: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.calls += 1
+        return self.net(x)
+
+
+class ChildState(Base):
+    """A child's own non-tensor state (a counter, a list, a lock), changed during the fit: after it the user's child
+    holds what the fit did (``seen``), as under ``ddp``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(_Counting(), _Counting())
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.body[1].history.append(self.global_step)
+
+    @property
+    def seen(self) -> list[int]:
+        return [self.body[0].calls, self.body[1].calls, len(self.body[1].history)]
+
+
+class ChildCounter(ChildState):
+    """:class:`ChildState` without the lock: a counter and a list only (any copy of the child would take them, and
+    drift from the user's without a word)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(_Counting(lock=False), _Counting(lock=False))
 
 
 class FrozenChild(Base):
@@ -378,10 +439,13 @@ def _counting_backend(name: str, gm: torch.fx.GraphModule, example_inputs: Any) 
 PATTERNS: dict[str, type[Base]] = {
     "groups_in_init": GroupsInInit,
     "groups_in_configure": GroupsInConfigure,
+    "groups_by_mark": GroupsByMark,
     "tied_attribute": TiedAttribute,
     "tied_across_children": TiedAcrossChildren,
     "shared_module": SharedModule,
     "taps_list": TapsList,
+    "child_state": ChildState,
+    "child_counter": ChildCounter,
     "frozen_child": FrozenChild,
     "buffers_only_child": BuffersOnlyChild,
     "own_parameter": OwnParameter,

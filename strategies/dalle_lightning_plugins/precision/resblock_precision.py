@@ -155,7 +155,7 @@ class ResblockScalingPrecision(Precision):
     @override
     def teardown(self) -> None:
         """Leave the model as found: remove the hooks and let go of the stage's modules (a later ``setup``
-        reinstalls them, keeping the scales). A sharding strategy's stage modules are its sharded stand-ins, which
+        reinstalls them, keeping the scales). A sharding strategy's stage modules are FSDP2 units, which
         ``torch.save(trainer)`` after ``fit`` cannot pickle (FSDP2's per-process classes): under ``ddp`` and under
         the plugins' strategies alike, the plugin after a stage holds its scales and settings only."""
         if self._boundaries is not None:

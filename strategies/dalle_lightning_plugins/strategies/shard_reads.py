@@ -9,7 +9,7 @@ in a list before the stage (which hold the user's released tensors). During a sh
 function mode (:class:`ShardReads`, entered around ``training_step``/``validation_step``) hands such a call the
 whole parameter instead: gathered over the node (:class:`GatherForRead`, differentiable), its gradient averaged
 over the node and added to the shard's, which is what ``ddp``'s average of the same term gives. A user's own
-parameter captured before the stage reads its stand-in.
+parameter captured before the stage reads FSDP2's parameter in its place.
 
 Outside those steps, in the LightningModule's and the callbacks' ``on_*`` hooks (``on_after_backward``,
 ``on_train_batch_end``), a weight or gradient stays this rank's shard: a host read of a value computed from one
@@ -63,12 +63,12 @@ def is_sharded_parameter(value: Any) -> bool:
 
 
 class ShardReads(TorchFunctionMode):
-    """Whole parameters for torch calls that receive a sharded one (see the module). ``stand_in_of`` maps the id of
-    a user's released tensor to a function returning the stand-in's tensor that holds its values now."""
+    """Whole parameters for torch calls that receive a sharded one (see the module). ``current_of`` maps the id of
+    a user's released parameter to a function returning FSDP2's parameter that holds its values now."""
 
-    def __init__(self, stand_in_of: dict[int, Callable[[], torch.Tensor]] | None) -> None:
+    def __init__(self, current_of: dict[int, Callable[[], torch.Tensor]] | None) -> None:
         super().__init__()
-        self.stand_in_of = stand_in_of
+        self.current_of = current_of
         self.paused = 0  # an optimizer step or a backward inside the step (manual optimization) reads the shards
         self.read: set[int] = set()  # sharded parameters read whole with autograd on since the last backward
         self.entered = 0  # how deep in reading() or pause(): pushed on the mode stack at the outermost only
@@ -76,7 +76,7 @@ class ShardReads(TorchFunctionMode):
 
     def _whole(self, value: Any) -> Any:
         if type(value) is nn.Parameter or type(value) is torch.Tensor:
-            find = self.stand_in_of.get(id(value)) if self.stand_in_of else None
+            find = self.current_of.get(id(value)) if self.current_of else None
             if find is None:
                 return value
             value = find()
@@ -106,17 +106,16 @@ class ShardReads(TorchFunctionMode):
         if kind is DTensor:
             return is_sharded_parameter(value)
         if kind is nn.Parameter or kind is torch.Tensor:
-            return bool(self.stand_in_of) and id(value) in self.stand_in_of
+            return bool(self.current_of) and id(value) in self.current_of
         if kind is list or kind is tuple:
             return any(map(self._to_read, value))
         return False
 
-    def unit_hooks(self, units: list[nn.Module]) -> None:
+    def unit_hooks(self, units: list[nn.Module]) -> list[Any]:
         """No whole reads inside a unit's own ``forward`` (its parameters are whole there): the mode costs a step
-        only the calls outside the units. ``units``: the FSDP2 units with no unit inside."""
-        for unit in units:
-            unit.register_forward_pre_hook(self._enter_unit)
-            unit.register_forward_hook(self._leave_unit, always_call=True)
+        only the calls outside the units. ``units``: the FSDP2 units with no unit inside. Returns the handles."""
+        return [handle for unit in units for handle in (unit.register_forward_pre_hook(self._enter_unit),
+                                                        unit.register_forward_hook(self._leave_unit, always_call=True))]
 
     def _enter_unit(self, *_: Any) -> None:
         # Off the mode stack inside a unit, so a compiled region there meets the stack it meets without the

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dalle_lightning_plugins import compat
-from dalle_lightning_plugins.strategies import sharded_root, stand_ins
+from dalle_lightning_plugins.strategies import in_place, sharded_root
 from dalle_lightning_plugins.strategies.optimizer_step import AveragedStep
 from dalle_lightning_plugins.strategies.parallel_base import ShardedParallelStrategy
 from dalle_lightning_plugins.dtypes import resolve_dtype
@@ -205,7 +205,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
-            stand_ins.remap_optimizers(self.optimizers, self.stage.root)  # groups built before the stage: stand-ins'
+            in_place.remap_optimizers(self.optimizers, self.stage.root)  # groups built before the stage: FSDP2's
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -317,7 +317,7 @@ class ShardedPowerSGDStrategy(ShardedParallelStrategy):
         """``torch.save(trainer)`` after ``fit``, as under ``ddp``: without the launcher's processes (and locks)."""
         state = super().__getstate__()
         state["_launcher"] = None
-        state["stage"] = self.stage.pickled()  # without the stand-ins, whose classes pickle cannot name
+        state["stage"] = self.stage.pickled()  # without the sharded root, whose classes pickle cannot name
         return state
 
     @override

@@ -1,5 +1,5 @@
-"""The root FSDP2 unit of a sharded stage and what happens around its forward: the LightningModule's children (or
-their stand-ins) registered under their own names, gathered before any forward that reads them, every unit returned
+"""The root FSDP2 unit of a sharded stage and what happens around its forward: the LightningModule's own children
+(sharded in place) registered under their own names, gathered before any forward that reads them, every unit returned
 to its shards after a forward without backward, the check that every unit ran on every rank of a node, and every
 parameter whole for a while (``full_parameters``).
 
@@ -27,31 +27,25 @@ from dalle_lightning_plugins.strategies.shard_reads import ShardReads, guard_hoo
 
 
 class ShardedRoot(nn.Module):
-    """The FSDP root of a stage: stand-ins of the LightningModule's children, sharded, around its ``training_step``.
+    """The FSDP root of a stage: the LightningModule's children, sharded in place, around its ``training_step``.
 
     Lightning calls ``training_step``, not ``forward``; FSDP's root hooks (lazy init, unsharding the root's own
     parameters, the end-of-backward callback) live on ``forward``. Lightning's forward redirection routes
     ``training_step`` through this module's ``forward``. The LightningModule is held, not registered: FSDP2 never
     reaches the user's module itself. Its children are registered here under their own names (so this module's
-    parameter names are the LightningModule's): for a sharded stage meta-device stand-ins of them
-    (:mod:`~dalle_lightning_plugins.strategies.stand_ins`), which the LightningModule holds for the stage while
-    ``originals`` keeps the user's own children for
-    :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain` (``released``: their tensors whose storage the
-    shards hold; ``guards``: the hooks refusing their forward for the stage); at one device per node the children
-    themselves (``originals`` None: nothing is copied).
+    parameter names are the LightningModule's); ``originals`` (a sharded stage's
+    :class:`~dalle_lightning_plugins.strategies.in_place.InPlace`) keeps the user's own parameter objects and classes
+    for :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain`; None at one device per node.
     """
 
-    def __init__(self, module: nn.Module, parts: dict[str, nn.Module],
-                 originals: dict[str, nn.Module] | None = None) -> None:
+    def __init__(self, module: nn.Module, parts: dict[str, nn.Module], originals: Any = None) -> None:
         super().__init__()
         self.units_ran: dict[str, int] = {}  # block unit -> forwards since the last check (check_units_ran)
         self.gathered_outside = False  # gathered again after a backward resharded it (see gather_root_before_forward)
         object.__setattr__(self, "owner", module)  # not a submodule: FSDP2 and state dicts never reach it
-        object.__setattr__(self, "originals", originals)
+        object.__setattr__(self, "originals", originals)  # in_place.InPlace of a sharded stage, else None
         object.__setattr__(self, "owner_hooks", [])  # handles of hooks on the LightningModule, for this stage only
-        object.__setattr__(self, "released", {})  # parameter or buffer name -> stand_ins.Released
-        object.__setattr__(self, "guards", [])  # forward pre-hooks on the user's children, for this stage only
-        object.__setattr__(self, "reads", None)  # shard_reads.ShardReads of this stage (sharded stand-ins only)
+        object.__setattr__(self, "reads", None)  # shard_reads.ShardReads of this stage (sharded only)
         for name, part in parts.items():
             self.add_module(name, part)  # a clash with an attribute above raises here, naming it
 
@@ -62,20 +56,13 @@ class ShardedRoot(nn.Module):
         if self.reads is None:
             object.__setattr__(self, "reads", ShardReads(None))
             units = [m for m in self.modules() if isinstance(m, FSDPModule) and m is not self]
-            self.reads.unit_hooks([u for u in units if not any(m is not u and m in units for m in u.modules())])
-        if self.reads.stand_in_of is None:  # the stage's first forward: the tensors it released
-            self.reads.stand_in_of = self.stand_in_reads()
+            handles = self.reads.unit_hooks([u for u in units if not any(m is not u and m in units for m in u.modules())])
+            if self.originals is not None:
+                self.originals.handles.extend(handles)
+        if self.reads.current_of is None:  # the stage's first forward: the tensors it released
+            self.reads.current_of = self.originals.released_reads() if self.originals is not None else {}
         with self.reads.reading():  # a sharded parameter read outside its unit's forward is read whole (shard_reads)
             return self.owner(*args, **kwargs)
-
-    def stand_in_reads(self) -> dict[int, Callable[[], torch.Tensor]]:
-        """For each user tensor the stage released (a list made before the stage may still hold it): the stand-in's
-        tensor under the same name, as it is when read."""
-        return {id(entry.tensor): functools.partial(self.current, name) for name, entry in self.released.items()}
-
-    def current(self, name: str) -> torch.Tensor:
-        owner, _, leaf = name.rpartition(".")
-        return getattr(self.get_submodule(owner), leaf)
 
     @contextmanager
     def shards_read(self) -> Generator[None, None, None]:
@@ -111,14 +98,14 @@ def gather_root_before_forward(root: ShardedRoot) -> None:
     backward; a second forward in the same step (after ``manual_backward``, with a second optimizer, a metric on
     the updated model) would meet sharded parameters. Gathering again there reads the current shards, so it also
     sees the update an optimizer made in between, as under ``ddp``. A no-op when the unit is gathered. The hooks
-    on the stand-ins stay with them; the one on the LightningModule is the stage's (:func:`hook_lightning_module`).
+    on the children go with the stage's records; the one on the LightningModule is the stage's (:func:`hook_lightning_module`).
     """
     block_params = {id(p) for m in root.modules() if isinstance(m, FSDPModule) and m is not root for p in m.parameters()}
     owned = [(m, n) for m in root.modules() for n, p in m.named_parameters(recurse=False)
              if m is not root and id(p) not in block_params]
     object.__setattr__(root, "probe", owned[0] if owned else None)  # FSDP2 swaps it: a DTensor while sharded
-    for owner in {id(m): m for m, _ in owned}.values():
-        owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root))
+    for owner in {id(m): m for m, _ in owned}.values():  # the user's modules: the handles go with fully_shard's
+        root.originals.handles.append(owner.register_forward_pre_hook(functools.partial(_gather_if_sharded, root)))
     hook_lightning_module(root)
 
 
@@ -127,7 +114,7 @@ def hook_lightning_module(root: ShardedRoot) -> None:
     callbacks' hooks refuse a host read of a shard, for this stage: :meth:`ShardedRoot.remove_owner_hooks`
     takes them off at teardown."""
     if root.reads is not None:  # one mode per root (a compiled region's guards hold it): its map, at the first forward
-        root.reads.stand_in_of = None
+        root.reads.current_of = None
     if root.owner_hooks:
         return
     if getattr(root, "probe", None) is not None:

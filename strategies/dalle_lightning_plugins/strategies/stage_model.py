@@ -1,6 +1,6 @@
 """The stage's model of :class:`~dalle_lightning_plugins.strategies.sharded_powersgd.ShardedPowerSGDStrategy`: the
-sharded root with its stand-ins and the user's originals (:mod:`~dalle_lightning_plugins.strategies.sharding`,
-:mod:`~dalle_lightning_plugins.strategies.stand_ins`), the blocks that became FSDP units and their names, and the
+sharded root over the user's own children, sharded in place (:mod:`~dalle_lightning_plugins.strategies.sharding`,
+:mod:`~dalle_lightning_plugins.strategies.in_place`), the blocks that became FSDP units and their names, and the
 activation-checkpointing wrappers the stage put on them.
 
 One object owns them so that the strategy's other parts (whole weights, checkpoints, the step) are handed what they
@@ -28,7 +28,7 @@ from dalle_lightning_plugins.strategies.broadcasts import broadcast_replicas
 from dalle_lightning_plugins.strategies.activation_checkpointing import ActivationCheckpointing
 from dalle_lightning_plugins.strategies.sharded_root import (VERIFY_EVERY, VERIFY_FIRST, ShardedRoot, check_units_ran,
                                                               hook_lightning_module, reshard_all)
-from dalle_lightning_plugins.strategies.sharding import shard_stand_ins
+from dalle_lightning_plugins.strategies.sharding import shard_in_place
 from dalle_lightning_plugins.strategies.weight_averaging import load_whole_into_shards, shard_averages
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class ShardedModel:
     def prepare(self, module: nn.Module, precision: Any, shard_size: int,
                 fitting: bool) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
         """The precision plugin's conversion, the blocks, and (fitting) activation checkpointing on them: the stage's
-        module and blocks. On a sharded node it runs on the stand-ins, between their making and their sharding."""
+        module and blocks. On a sharded node it runs on the user's module before it is sharded."""
         module = precision.convert_module(module)
         blocks = self.find_blocks(module, shard_size)
         if fitting and self.activation_checkpointing:
@@ -160,10 +160,10 @@ class ShardedModel:
 
     def build(self, module: nn.Module, precision: Any, mesh: DeviceMesh, root_device: torch.device, world_size: int, *,
               fitting: bool, whole: bool) -> nn.Module:
-        """The stage's model: FSDP2 units over stand-ins of the module's children at several devices per node (the
-        user's own children come back after the stage, :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain`);
-        the module itself, whole, at one device per node or when ``whole`` (a stage without training on whole
-        weights). ``precision`` converts the module, or its stand-ins (:meth:`prepare`)."""
+        """The stage's model: FSDP2 units over the module's own children, in place, at several devices per node (plain
+        again after the stage, :func:`~dalle_lightning_plugins.strategies.plain_weights.to_plain`); the module itself,
+        whole, at one device per node or when ``whole`` (a stage without training on whole weights). ``precision``
+        converts the module (:meth:`prepare`)."""
         shard_size = mesh["shard"].size()
         prepare = functools.partial(self.prepare, precision=precision, shard_size=shard_size, fitting=fitting)
         if shard_size == 1 or whole:
@@ -178,12 +178,11 @@ class ShardedModel:
                 return module  # a stage without training, on whole weights: the module itself, as under ddp
             self.root = ShardedRoot(module, dict(module.named_children()))
             return self.root
-        # meta-device stand-ins (no whole copy), before the precision plugin: its hooks and dtype go on them
-        root = shard_stand_ins(module, prepare, mesh["shard"], root_device, mp_policy=self.mp_policy,
+        root = shard_in_place(module, prepare, mesh["shard"], root_device, mp_policy=self.mp_policy,
                                reshard_after_forward=self.reshard_after_forward, prefetch_depth=self.prefetch_depth)
+        self.root = root  # from here a failure is the stage's: WholeWeights.leave gives the user's module back
         broadcast_replicas(module, mesh["replicate"], world_size)
         load_whole_into_shards(root)  # module.load_state_dict(whole values) in the stage, as under ddp
-        self.root = root
         return root
 
     def before_backward(self, closure_loss: torch.Tensor, shard_group: dist.ProcessGroup,
@@ -218,8 +217,8 @@ class ShardedModel:
             yield None
 
     def pickled(self) -> ShardedModel:
-        """What a pickled strategy keeps: the options and the block names, without the stand-ins (FSDP2 makes
-        their classes per process, which pickle cannot name) or the stage's wrappers."""
+        """What a pickled strategy keeps: the options and the block names, without the sharded root (FSDP2 makes
+        its classes per process, which pickle cannot name) or the stage's wrappers."""
         kept = copy.copy(self)  # the options, whichever they are; then the per-process state, as a fresh stage's
         kept.root, kept.blocks, kept.checkpointing, kept.averages_sharded, kept.backwards = None, {}, None, False, 0
         kept.block_names = list(self.block_names)

@@ -8,7 +8,7 @@ rank slices its own part of the whole value it holds: no communication), so ever
 callback makes is elementwise on shards: the arithmetic of ``ddp``, on 1/N of the values. Its state dict stays
 whole (a checkpoint holds what ``ddp``'s holds), a whole state dict loads into it (a resumed fit), and when the
 module is whole again after the stage the copy is too (:func:`whole_averages`). The hooks this needs are on the
-callback's copy and on the strategy's stand-ins, never on the user's module, and come off with the stage.
+callback's copy and on the root's children for the stage only, and come off with it.
 """
 
 from __future__ import annotations
@@ -138,10 +138,11 @@ def _sharded_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_
 
 def load_whole_into_shards(root: nn.Module) -> None:
     """The LightningModule's ``load_state_dict`` takes whole values during a sharded stage, as under ``ddp`` (a
-    resumed ``WeightAveraging`` reloads the module's own weights so): each stand-in (a child of ``root``, the
-    strategy's own copy) turns them into its shards first."""
-    for part in root.children():
-        part.register_load_state_dict_pre_hook(functools.partial(_resharded_load, root))
+    resumed ``WeightAveraging`` reloads the module's own weights so): each child of ``root`` turns them
+    into its shards first."""
+    handles = [part.register_load_state_dict_pre_hook(functools.partial(_resharded_load, root)) for part in root.children()]
+    if getattr(root, "originals", None) is not None:  # the user's children: the hooks go at the stage's end
+        root.originals.handles.extend(handles)
 
 
 def _resharded_load(root: nn.Module, module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:

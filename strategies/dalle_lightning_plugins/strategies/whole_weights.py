@@ -55,8 +55,8 @@ class WholeWeights:
     def leave(self, module: nn.Module, stage: ShardedModel, shard_size: int, root_device: torch.device,
               num_processes: int) -> nn.Module | None:
         """The module after a stage, on the CPU as ``ddp`` leaves it: its own children back, holding the whole values
-        (``full_weights_after``; a collective, at the end of a stage that ran to its end), or the sharded stand-ins
-        kept (``full_weights_after=False``). After a stage that failed or was interrupted a peer may be gone: the
+        (``full_weights_after``; a collective, at the end of a stage that ran to its end), or the module kept
+        sharded (``full_weights_after=False``). After a stage that failed or was interrupted a peer may be gone: the
         gather runs only where every rank of the node is there (:meth:`_restore_after_error`). Either way the
         strategy's hooks come off.
         Returns the strategy's model from now on (the plain module, as ``ddp`` unwraps its wrapper), or None where it

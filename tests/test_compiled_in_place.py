@@ -1,5 +1,5 @@
-"""Stand-ins of modules compiled with ``Module.compile(...)``, compiled again with the user's configuration, in one
-process (``strategies/.../strategies/compiled_stand_ins.py``, ``compat.compile_config``). The sharded fit on 2
+"""Modules compiled with ``Module.compile(...)``, compiled again in place around FSDP2's units with the user's
+configuration, in one process (``strategies/.../strategies/compiled_in_place.py``, ``compat.compile_config``). The sharded fit on 2
 processes, against ``ddp``, is ``tests/test_module_patterns.py`` (``compiled_child``).
 
 A block's forward pre-hook made opaque to dynamo (``torch.compiler.disable``) stands for FSDP2's hooks, which torch
@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from dalle_lightning_plugins import compat
-from dalle_lightning_plugins.strategies.compiled_stand_ins import compile_regions, compile_stand_ins
+from dalle_lightning_plugins.strategies.compiled_in_place import compile_in_place, compile_regions
+
+
+def _compile_call(module: nn.Module, config: Any) -> None:
+    """``module``'s call compiled with ``config`` (another module's :func:`compat.compile_config`), as
+    ``Module.compile`` compiles it (``compiled_in_place`` does the same for a module without units)."""
+    module._compiled_call_impl = config(module._call_impl)
 
 
 class Graphs:
@@ -71,17 +77,17 @@ def test_the_configuration_compiles_another_module_as_the_users() -> None:
     config = compat.compile_config(user)
     assert config is not None
     other = Block()
-    compat.compile_call(other, config)
+    _compile_call(other, config)
     x = torch.randn(3, 4)
     torch.testing.assert_close(other(x), other.forward(x), rtol=0, atol=0)
     assert graphs.count == 1  # the user's backend compiled the other module's call
     breaks = Breaks()
-    compat.compile_call(breaks, config)
+    _compile_call(breaks, config)
     with pytest.raises(Exception, match="graph_break"):  # fullgraph=True kept: a graph break is an error
         breaks(x)
     lenient = Graphs()
     user.compile(backend=lenient)
-    compat.compile_call(breaks, compat.compile_config(user))
+    _compile_call(breaks, compat.compile_config(user))
     torch.testing.assert_close(breaks(x), breaks.forward(x), rtol=0, atol=0)
     assert lenient.count == 2  # fullgraph=False kept: two graphs around the break
 
@@ -102,29 +108,37 @@ def test_regions_leave_the_units_hooks_outside() -> None:
     config = compat.compile_config(user)
     x = torch.randn(3, 4)
     expected = user.forward(x)
-    stand_in = copy.deepcopy(user)
-    for block in stand_in.blocks:
+    sharded = copy.deepcopy(user)
+    for block in sharded.blocks:
         block.register_forward_pre_hook(_opaque_hook)
-    whole = copy.deepcopy(stand_in)
-    compat.compile_call(whole, config)
+    whole = copy.deepcopy(sharded)
+    _compile_call(whole, config)
     with pytest.raises(Exception, match="disable"):  # why the regions: fullgraph through an opaque hook fails
         whole(x)
-    compile_regions(stand_in, config, {id(b) for b in stand_in.blocks}, set())
+    sharded._compiled_call_impl = None  # the user's call set aside (compile_in_place)
+    changed: list = []
+    compile_regions(sharded, config, {id(b) for b in sharded.blocks}, set(), changed)
     graphs.count = 0
-    torch.testing.assert_close(stand_in(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(sharded(x), expected, rtol=0, atol=0)
     # the blocks' forward (its hook outside; the second block runs the first one's graph) and the out block's call
     assert graphs.count == 2
-    assert compat.compiled_call(stand_in) is None  # the body's own loop, around the units, runs eagerly
+    assert compat.compiled_call(sharded) is None  # the body's own loop, around the units, runs eagerly
+    for change in reversed(changed):  # the stage's end: the modules' own forward and call again
+        change.remove()
+    assert all("forward" not in vars(b) for b in sharded.blocks) and compat.compiled_call(sharded.out) is None
 
 
 def test_a_configuration_this_torch_does_not_show_is_said_in_one_line() -> None:
     user = Block()
     user._compiled_call_impl = functools.partial(user._call_impl)  # a compiled call dynamo's wrapper did not make
-    stand_in = copy.deepcopy(user)
+    own = user._compiled_call_impl
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        assert compile_stand_ins({"enc": user}, {"enc": stand_in}, 2) == ["enc"]
+        changed = compile_in_place({"enc": user}, 2)
     lines = [str(w.message) for w in said]
     assert len(lines) == 1 and lines[0].startswith(
         "ShardedPowerSGDStrategy(devices_per_node=2): enc compiled with Module.compile() trains eagerly"), lines
-    assert compat.compiled_call(stand_in) is None
+    assert compat.compiled_call(user) is None  # eager in the stage
+    for change in changed:
+        change.remove()
+    assert user._compiled_call_impl is own  # the user's own call after the stage
