@@ -129,12 +129,17 @@ class Kept:
         module, name = self.owners[0]
         return getattr(module, name)
 
+    def give(self, value: torch.Tensor) -> None:
+        """The user's object holds ``value`` from now on, in the memory format it had (:func:`assign`)."""
+        assign(self.tensor, value.contiguous(memory_format=torch.channels_last) if self.channels_last else value)
+
 
 class InPlace:
     """The user's own parameter objects and module classes of a sharded stage's children (see the module), recorded
     before ``fully_shard``; ``plain``: the module holds them again (:meth:`to_plain`)."""
 
     def __init__(self, children: dict[str, nn.Module]) -> None:
+        self.children = children  # the LightningModule's children the stage's root registers
         self.kept: dict[int, Kept] = {}
         self.classes: dict[int, tuple[nn.Module, type]] = {}
         for child in children.values():
@@ -211,8 +216,7 @@ class InPlace:
                 target.copy_(whole)
             else:
                 where = device if device is not None else (target.device if not target.is_meta else torch.device("cpu"))
-                given = whole.detach().to(where, copy=whole is value)
-                assign(target, given.contiguous(memory_format=torch.channels_last) if kept.channels_last else given)
+                kept.give(whole.detach().to(where, copy=whole is value))
                 kept.released = False
             self._put_back(kept, value)
         self._undo()
@@ -243,8 +247,7 @@ class InPlace:
         for kept in self.kept.values():
             value = kept.current()
             if kept.source is not None:  # the stage failed while it was built: the values from before it, exactly
-                source = kept.source.to(device)
-                assign(kept.tensor, source.contiguous(memory_format=torch.channels_last) if kept.channels_last else source)
+                kept.give(kept.source.to(device))
                 kept.source, kept.released = None, False
             elif kept.released:
                 any_released = True
@@ -255,7 +258,7 @@ class InPlace:
                     local_slice(whole, value).copy_(value.to_local())
                 else:
                     whole = value.detach().to(device, copy=True)
-                assign(kept.tensor, whole.contiguous(memory_format=torch.channels_last) if kept.channels_last else whole)
+                kept.give(whole)
                 kept.released = False
             self._put_back(kept, value)
         self._undo()

@@ -65,7 +65,7 @@ def shard_module(
         kept.hold(ids)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=ignored)
         kept.release(ids)
-    root = ShardedRoot(module, in_place.children_with_tensors(module), kept)
+    root = ShardedRoot(module, kept.children, kept)
     ids = [id(p) for p in root.parameters()]
     kept.hold(ids)
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
